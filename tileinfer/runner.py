@@ -1,0 +1,125 @@
+"""Model runner: owns the model, the op backend and the paged KV cache, and runs steps.
+
+A step is one forward pass over some tokens of one sequence: a prefill chunk (many tokens) or a
+decode step (one token). Long prompts are prefilled in chunks of ``prefill_chunk`` tokens so the
+activations and attention scores of a step stay bounded whatever the prompt length (chunked prefill,
+as in vLLM and Sarathi-Serve).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from tileinfer.errors import UserError
+from tileinfer.kv_cache import BlockManager, PagedKVCache, Sequence
+from tileinfer.models import Transformer
+from tileinfer.ops import get_backend
+
+
+class ModelRunner:
+    """Runs a :class:`Transformer` on one backend with a paged KV cache.
+
+    Args:
+        model: the weights.
+        backend: ``reference``, ``triton`` or ``cutile``.
+        kv_int8: keep the KV cache in INT8 (one float32 scale per cached vector).
+        max_seq_len: positions the cache must hold for one sequence (default: the model's
+            context); the page pool is sized for one sequence of that length.
+        page_size: positions per KV page.
+        prefill_chunk: most tokens per prefill step.
+
+    Raises:
+        UserError: ``max_seq_len`` larger than the model's context.
+    """
+
+    def __init__(self, model: Transformer, backend: str = "reference", kv_int8: bool = False,
+                 max_seq_len: int | None = None, page_size: int = 64, prefill_chunk: int = 512):
+        c = model.config
+        self.model, self.backend = model, backend
+        self.ops = get_backend(backend)
+        self.max_seq_len = max_seq_len or c.max_position_embeddings
+        if self.max_seq_len > c.max_position_embeddings:
+            raise UserError(f"{self.max_seq_len} positions exceed the model's context of "
+                            f"{c.max_position_embeddings}")
+        self.page_size, self.prefill_chunk = page_size, prefill_chunk
+        self.max_pages = -(-self.max_seq_len // page_size)
+        self.kv = PagedKVCache(c.num_hidden_layers, self.max_pages, page_size, c.num_key_value_heads,
+                               c.head_dim, model.dtype, kv_int8, model.device)
+        self.blocks = BlockManager(self.max_pages)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def new_sequence(self) -> Sequence:
+        """An empty sequence whose pages come from this runner's pool."""
+        return Sequence(self.blocks, self.page_size, self.max_pages, self.device)
+
+    def check_length(self, seq: Sequence, n: int) -> None:
+        """Raise UserError when ``n`` more tokens would not fit the context (or sliding window)."""
+        end = seq.length + n
+        if end > self.max_seq_len:
+            raise UserError(f"sequence of {end} tokens exceeds the runner's limit of {self.max_seq_len} "
+                            f"(model context {self.model.config.max_position_embeddings})")
+        window = self.model.config.sliding_window
+        if window and end > window:
+            raise UserError(f"sequence of {end} tokens exceeds the model's sliding window of {window}, "
+                            "which this engine does not implement")
+
+    def step(self, seq: Sequence, tokens: torch.Tensor, logit_rows=None) -> torch.Tensor:
+        """One forward pass over ``tokens`` [T] appended to ``seq``; float32 logits [R, vocab]."""
+        T = tokens.shape[0]
+        self.check_length(seq, T)
+        seq.reserve(T)
+        positions = torch.arange(seq.length, seq.length + T, dtype=torch.int32, device=self.device)
+        logits = self.model.forward(self.ops, tokens.to(self.device), positions, self.kv,
+                                    seq.block_table_tensor, logit_rows)
+        seq.length += T
+        return logits
+
+    def chunks(self, seq: Sequence, tokens, logits_from: int | None = None,
+               progress: str | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """Prefill ``tokens`` in chunks; yield ``(position, logits)`` for scored rows.
+
+        Rows at sequence positions >= ``logits_from`` get logits; each chunk yields the position of
+        its first scored row and float32 logits [rows, vocab] (chunks with none yield nothing).
+        With ``logits_from=None`` only the last position of the last chunk gets logits.
+        ``progress`` names a tqdm bar, or None for none.
+        """
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        self.check_length(seq, tokens.shape[0])
+        n = tokens.shape[0]
+        bar = tqdm(total=n, desc=progress, unit="tok", leave=False, disable=progress is None)
+        for start in range(0, n, self.prefill_chunk):
+            chunk = tokens[start:start + self.prefill_chunk]
+            first = seq.length
+            if logits_from is None:
+                rows = slice(-1, None) if start + chunk.shape[0] == n else slice(0, 0)
+                row_pos = first + chunk.shape[0] - 1
+            else:
+                skip = min(max(logits_from - first, 0), chunk.shape[0])
+                rows, row_pos = slice(skip, None), first + skip
+            logits = self.step(seq, chunk, rows)
+            bar.update(chunk.shape[0])
+            if logits.shape[0]:
+                yield row_pos, logits
+        bar.close()
+
+    def prefill(self, seq: Sequence, tokens, progress: str | None = None) -> torch.Tensor:
+        """Prefill a prompt; float32 logits [vocab] of its last position."""
+        out = None
+        for _, logits in self.chunks(seq, tokens, progress=progress):
+            out = logits[-1]
+        return out
+
+    def decode(self, seq: Sequence, token: int) -> torch.Tensor:
+        """One decode step for ``token``; float32 logits [vocab] of the next position."""
+        return self.step(seq, torch.tensor([token]))[0]
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (before reading a host clock)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
