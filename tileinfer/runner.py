@@ -24,7 +24,8 @@ class ModelRunner:
 
     Args:
         model: the weights.
-        backend: ``reference``, ``triton`` or ``cutile``.
+        backend: ``reference``, ``triton`` or ``cutile``, or a module-like object with the op
+            functions (e.g. the reference ops with one op wrapped to record activations).
         kv_int8: keep the KV cache in INT8 (one float32 scale per cached vector).
         max_seq_len: positions the cache must hold for one sequence (default: the model's
             context); the page pool is sized for one sequence of that length.
@@ -35,11 +36,11 @@ class ModelRunner:
         UserError: ``max_seq_len`` larger than the model's context.
     """
 
-    def __init__(self, model: Transformer, backend: str = "reference", kv_int8: bool = False,
+    def __init__(self, model: Transformer, backend="reference", kv_int8: bool = False,
                  max_seq_len: int | None = None, page_size: int = 64, prefill_chunk: int = 512):
         c = model.config
-        self.model, self.backend = model, backend
-        self.ops = get_backend(backend)
+        self.model = model
+        self.ops = get_backend(backend) if isinstance(backend, str) else backend
         self.max_seq_len = max_seq_len or c.max_position_embeddings
         if self.max_seq_len > c.max_position_embeddings:
             raise UserError(f"{self.max_seq_len} positions exceed the model's context of "
