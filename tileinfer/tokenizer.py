@@ -189,6 +189,17 @@ class Tokenizer:
         extra = [md[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in md]
         return cls(backend, chat_template=md.get("tokenizer.chat_template"), extra_eos_ids=extra, **names)
 
+    def save(self, folder) -> None:
+        """Write ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, chat template) and
+        ``generation_config.json`` (the EOS ids) so that :meth:`from_folder` gives this tokenizer back."""
+        folder = Path(folder)
+        self.backend.save(str(folder / "tokenizer.json"))
+        cfg = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+                                 ("unk_token", self.unk_token), ("pad_token", self.pad_token),
+                                 ("chat_template", self.chat_template)) if v is not None}
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(self.eos_token_ids)}))
+
     # --- use ------------------------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -1,0 +1,165 @@
+"""Quantized checkpoints on disk: a Hugging Face style folder the engine loads back as it is.
+
+Layout of a folder written by :func:`write_checkpoint`:
+
+* ``model.safetensors``: int8 weights with float32 ``<name>_scale`` tensors beside them, the key
+  smoothing scales ``model.layers.{i}.self_attn.k_smooth`` (float32 [kv_heads, head_dim], for the
+  record: they are already folded into the q/k weights), every other tensor in BF16.
+* ``config.json``: the source model's config plus a ``quantization_config`` section
+  (:func:`quantization_config`), which says among other things whether to run an INT8 KV cache.
+* the tokenizer files (``tokenizer.save(folder)``).
+
+``tileinfer.checkpoint.load_checkpoint`` + ``Transformer.from_state_dict`` load it; pass
+``kv_int8=kv_int8_of(checkpoint)`` to the ``ModelRunner``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tileinfer.checkpoint import Checkpoint
+from tileinfer.errors import UserError
+from tileinfer.models.transformer import SCALE_SUFFIX
+
+from quantize.spec import BUILTIN_CALIBRATION, calibration_text
+
+QUANT_METHOD = "tileinfer-int8"
+WEIGHTS_FILE = "model.safetensors"
+_FLOAT32_SUFFIXES = (SCALE_SUFFIX, ".k_smooth")  # kept in float32; every other float goes to BF16
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_sha256(path: str | os.PathLike) -> dict[str, str]:
+    """sha256 of a source checkpoint's files: the .gguf file, or a folder's config.json and weights.
+
+    Returns {file name: hex digest}.
+    """
+    path = Path(path)
+    if path.is_file():
+        return {path.name: _sha256(path)}
+    files = [path / "config.json", *sorted(path.glob("*.safetensors")), *sorted(path.glob("*.safetensors.index.json"))]
+    return {p.name: _sha256(p) for p in files if p.is_file()}
+
+
+def quantization_config(info: dict, source: str | os.PathLike | None = None) -> dict:
+    """The ``quantization_config`` section of config.json for what :func:`quantize.apply` did.
+
+    Args:
+        info: the info dict of the apply() call (its spec is the effective one).
+        source: the source checkpoint's path, recorded with its files' sha256; None records nothing.
+
+    Returns:
+        A JSON-serialisable dict: ``quant_method`` ("tileinfer-int8"), ``weights`` and ``kv_cache``
+        ("bf16"/"int8"), ``smooth_keys``; when keys are smoothed also ``smooth_alpha``,
+        ``calibration`` ("builtin" or the text's path), ``calibration_sha256`` (of its UTF-8
+        bytes), ``calibration_tokens``; ``source`` and ``source_sha256`` when given.
+    """
+    spec = info["spec"]
+    qc = {"quant_method": QUANT_METHOD, "weights": spec.weights, "kv_cache": spec.kv_cache,
+          "smooth_keys": spec.smoothing}
+    if spec.smoothing:
+        text = calibration_text(spec.calibration)
+        qc.update(smooth_alpha=spec.smooth_alpha,
+                  calibration=spec.calibration or BUILTIN_CALIBRATION,
+                  calibration_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                  calibration_tokens=info["calibration_tokens"])
+    if source is not None:
+        qc.update(source=str(source), source_sha256=source_sha256(source))
+    return qc
+
+
+def kv_int8_of(checkpoint: Checkpoint) -> bool:
+    """Whether a checkpoint asks for an INT8 KV cache (a tileinfer-int8 one with ``kv_cache: int8``)."""
+    qc = checkpoint.quantization or {}
+    return qc.get("quant_method") == QUANT_METHOD and qc.get("kv_cache") == "int8"
+
+
+def _stored(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors as written: int8 and scales as they are, other floats in BF16, contiguous, unshared."""
+    out, seen = {}, set()
+    for name, t in state_dict.items():
+        if t.is_floating_point():
+            t = t.float() if name.endswith(_FLOAT32_SUFFIXES) else t.to(torch.bfloat16)
+        t = t.contiguous()
+        if t.data_ptr() in seen:  # safetensors refuses shared storage (e.g. a tied lm_head kept in BF16)
+            t = t.clone()
+        seen.add(t.data_ptr())
+        out[name] = t
+    return out
+
+
+def _publish_modes(folder: Path) -> None:
+    """Give the folder and its files the usual modes under the umask (mkdtemp makes the folder 0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.rglob("*"):
+        f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+
+
+def check_out(out: str | os.PathLike, force: bool) -> None:
+    """Raise UserError if ``out`` exists, is not an empty folder, and ``force`` is not set."""
+    out = Path(out)
+    if out.exists() and not force and not (out.is_dir() and not any(out.iterdir())):
+        raise UserError(f"{out} exists and is not empty; pass --force to replace it")
+
+
+def write_checkpoint(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], hf_config: dict,
+                     quant_config: dict, tokenizer=None, force: bool = False) -> Path:
+    """Write a quantized checkpoint folder, atomically.
+
+    Everything is written into a temporary folder beside ``out``, which is then renamed to ``out``:
+    a crash leaves no half-written checkpoint under the target name.
+
+    Args:
+        out: the folder to create.
+        state_dict: from :func:`quantize.apply`.
+        hf_config: the source model's config.json dictionary (a ``quantization_config`` in it is
+            replaced).
+        quant_config: from :func:`quantization_config`.
+        tokenizer: saved with ``tokenizer.save(folder)``; None writes no tokenizer files.
+        force: replace ``out`` if it exists and is not an empty folder.
+
+    Returns:
+        ``out`` as a Path.
+
+    Raises:
+        UserError: ``out`` exists, is not an empty folder, and ``force`` is not set.
+    """
+    out = Path(out)
+    check_out(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        save_file(_stored(state_dict), tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        config = {**hf_config, "quantization_config": quant_config}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        _publish_modes(tmp)
+        if out.exists():  # move the old one aside first: rename cannot replace a non-empty folder
+            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,145 @@
+"""Drift of a candidate configuration against the BF16 reference, with speed from the same pass.
+
+Both configurations read the identical token stream: a prompt of ``ctx`` tokens followed by the
+reference model's greedy reply. The candidate is run teacher-forced over the stream, so the logits
+at every reply position are comparable one to one with the reference's (the method of llama.cpp's
+``--kl-divergence``, applied to a model-generated continuation as in TileInfer.jl's evaluation).
+The prompt prefill of that same pass is timed, then the sequence is cut back to ``ctx`` positions
+and decode steps are timed after them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from evals.metrics import MetricsAccumulator, greedy_agreement_length
+from tileinfer.generation import generate
+from tileinfer.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The shared token stream: ``tokens[:prompt_len]`` is the prompt, the rest the reference reply."""
+
+    tokens: tuple[int, ...]
+    prompt_len: int
+
+    @property
+    def reply(self) -> tuple[int, ...]:
+        return self.tokens[self.prompt_len:]
+
+
+def reference_stream(runner: ModelRunner, prompt: list[int], n_reply: int, stop_ids,
+                     cache_file: Path | None = None) -> Stream:
+    """The prompt plus the runner's greedy reply of at most ``n_reply`` tokens (ending at a stop id).
+
+    With ``cache_file``, a stream saved there for the same prompt is reused, and a new one is saved
+    (atomically) for the next run.
+    """
+    if cache_file is not None and cache_file.is_file():
+        saved = json.loads(cache_file.read_text())
+        if saved["prompt"] == list(prompt) and saved["n_reply"] == n_reply:
+            return Stream(tuple(saved["prompt"] + saved["reply"]), len(prompt))
+    reply = generate(runner, list(prompt), n_reply, stop_ids=stop_ids, progress="reference reply").tokens
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"prompt": list(prompt), "reply": reply, "n_reply": n_reply}))
+        os.replace(tmp, cache_file)
+    return Stream(tuple(prompt) + tuple(reply), len(prompt))
+
+
+@dataclass
+class PassResult:
+    """Timings of one teacher-forced pass (seconds, from a synchronized host clock)."""
+
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+
+
+def teacher_forced(runner: ModelRunner, stream: Stream, decode_steps: int = 0,
+                   timings: list | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """Run ``stream`` through ``runner``; yield ``(i, logits)`` chunks of the scored positions.
+
+    Row ``j`` of a chunk starting at ``i`` holds float32 logits [vocab] predicting reply token
+    ``i + j``. The prompt prefill is timed; after the last chunk the sequence is cut back to the
+    prompt and ``decode_steps`` greedy decode steps are timed. The :class:`PassResult` is appended to
+    ``timings`` when the generator finishes.
+    """
+    seq = runner.new_sequence()
+    try:
+        prompt, reply = list(stream.tokens[:stream.prompt_len]), list(stream.reply)
+        runner.synchronize()
+        t0 = time.perf_counter()
+        first = runner.prefill(seq, prompt, progress="prefill")
+        runner.synchronize()
+        prefill_s = time.perf_counter() - t0
+        yield 0, first[None]
+        # the last reply token is never an input: nothing after it is scored
+        for pos, logits in runner.chunks(seq, reply[:-1], logits_from=stream.prompt_len, progress="score"):
+            yield pos - stream.prompt_len + 1, logits
+        seq.truncate(stream.prompt_len)
+        token = reply[0]
+        runner.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(decode_steps):
+            token = int(runner.ops.argmax(runner.decode(seq, token)[None])[0])
+        runner.synchronize()
+        if timings is not None:
+            timings.append(PassResult(prefill_s, time.perf_counter() - t0, decode_steps))
+    finally:
+        seq.release()
+
+
+def reference_logits(runner: ModelRunner, stream: Stream) -> torch.Tensor:
+    """Float32 logits [len(reply), vocab] (on the CPU) of the reference at every scored position."""
+    return torch.cat([lg.cpu() for _, lg in teacher_forced(runner, stream)])
+
+
+def warm_up(runner: ModelRunner, stream: Stream) -> None:
+    """One short prefill and two decode steps, so compilation and allocation stay out of timings."""
+    seq = runner.new_sequence()
+    try:
+        n = min(stream.prompt_len, 2 * runner.prefill_chunk)
+        runner.prefill(seq, list(stream.tokens[:n]))
+        for t in stream.tokens[n:n + 2]:
+            runner.decode(seq, t)
+        runner.synchronize()
+    finally:
+        seq.release()
+
+
+def score(runner: ModelRunner, stream: Stream, ref_logits: torch.Tensor,
+          decode_steps: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Compare ``runner`` with the reference logits on ``stream``; return metrics and speed.
+
+    Returns (summary, per_position): the :func:`evals.metrics.summarize` statistics plus
+    ``greedy_agree_len`` (tokens), ``n_scored``, ``prefill_ms``, ``prefill_tok_s``,
+    ``decode_tok_s`` and ``decode_ms_per_tok`` (from a synchronized host clock on ``runner``'s
+    device); and the per-position arrays of :func:`evals.metrics.position_metrics` [n_scored].
+    """
+    reply = torch.tensor(stream.reply)
+    acc, timings = MetricsAccumulator(), []
+    for i, logits in teacher_forced(runner, stream, decode_steps, timings):
+        n = logits.shape[0]
+        acc.add(ref_logits[i:i + n].to(logits.device), logits, reply[i:i + n])
+    per_pos = acc.per_position()
+    t = timings[0]
+    out = acc.summary()
+    out.update(
+        greedy_agree_len=greedy_agreement_length(per_pos["argmax_cand"], reply),
+        n_scored=len(reply),
+        prefill_ms=1e3 * t.prefill_s,
+        prefill_tok_s=stream.prompt_len / t.prefill_s,
+        decode_tok_s=t.decode_steps / t.decode_s if t.decode_steps else float("nan"),
+        decode_ms_per_tok=1e3 * t.decode_s / t.decode_steps if t.decode_steps else float("nan"),
+    )
+    return out, per_pos

@@ -1,0 +1,122 @@
+"""Result tables: one Polars row per (model, quant, ctx, prompt set, backend), written atomically.
+
+A row file ``rows/.../NAME.parquet`` holds the row; ``NAME.positions.parquet`` beside it holds the
+per-position KL divergence, top-1 agreement and Δp along the scored window (for plots). A summary
+gathers every row under a folder into one table, printed and saved as Parquet and Markdown.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+import polars as pl
+import torch
+
+from evals.metrics import summarize
+
+# Columns shown when a table is printed (all columns are saved).
+SHOWN = ["model", "quant", "smooth_keys", "ctx", "prompt_set", "backend", "kl_mean", "kl_p99",
+         "kl_max", "top1_agree", "greedy_agree_len", "n_scored", "prefill_tok_s", "decode_tok_s"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def git_commit() -> str:
+    """Short commit of the code that ran, ``-dirty`` when it had uncommitted changes."""
+    try:
+        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def make_row(cfg, spec, info: dict, results: list[tuple[dict, dict]], *, ctx_tokens: int, prompt_set: str,
+             model_id: str, device: torch.device, weights_bytes: int, kv_bytes: int, wall_s: float) -> dict:
+    """One table row from the :func:`tileinfer.drift.score` results of a prompt set's prompts.
+
+    Statistics are taken over the positions of all prompts together; speeds are means over prompts.
+    """
+    per_pos = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}
+    stats = summarize(per_pos) if len(results) > 1 else dict(results[0][0])
+    if len(results) > 1:
+        stats["greedy_agree_len"] = sum(r[0]["greedy_agree_len"] for r in results) / len(results)
+        stats["n_scored"] = sum(r[0]["n_scored"] for r in results)
+        for k in ("prefill_ms", "prefill_tok_s", "decode_tok_s", "decode_ms_per_tok"):
+            stats[k] = sum(r[0][k] for r in results) / len(results)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {
+        "model": cfg.model.name, "model_sha256": model_id, "quant": cfg.quant.name,
+        "weights": spec.weights, "kv_cache": spec.kv_cache, "smooth_keys": spec.smooth_keys,
+        "smooth_alpha": spec.smooth_alpha if spec.smooth_keys else None,
+        "ctx": cfg.ctx.name, "ctx_tokens": ctx_tokens, "prompt_set": prompt_set, "n_prompts": len(results),
+        "backend": cfg.backend.name, "spec": cfg.spec.name, "dtype": cfg.dtype,
+        **stats,
+        "weights_bytes": weights_bytes, "kv_cache_bytes": kv_bytes, "peak_mem_bytes": peak,
+        "calibration_tokens": info.get("calibration_tokens"),
+        "device": device_name(device), "torch": torch.__version__, "git_commit": git_commit(),
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": wall_s,
+    }
+
+
+def _atomic_parquet(df: pl.DataFrame, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    df.write_parquet(tmp)
+    os.replace(tmp, path)
+
+
+def write_row(path: Path, row: dict, per_position: dict[str, torch.Tensor]) -> None:
+    """Write the per-position table, then the row (the row's presence marks the job done)."""
+    pos = pl.DataFrame({"position": list(range(len(per_position["kl"])))}
+                       | {k: v.cpu().numpy() for k, v in per_position.items()})
+    _atomic_parquet(pos, path.with_suffix(".positions.parquet"))
+    _atomic_parquet(pl.DataFrame([row]), path)
+
+
+def collect(runs_dir: Path) -> pl.DataFrame:
+    """Every row under ``runs_dir`` (any depth) as one table; empty table when there are none."""
+    files = sorted(p for p in Path(runs_dir).rglob("*.parquet")
+                   if not p.name.endswith(".positions.parquet") and not p.name.startswith((".", "summary")))
+    if not files:
+        return pl.DataFrame()
+    return pl.concat([pl.read_parquet(f) for f in files], how="diagonal_relaxed")
+
+
+def _fmt(df: pl.DataFrame) -> pl.DataFrame:
+    cols = [c for c in SHOWN if c in df.columns]
+    return df.select(cols).sort([c for c in ("model", "ctx", "prompt_set", "quant") if c in cols])
+
+
+def to_markdown(df: pl.DataFrame) -> str:
+    with pl.Config(tbl_formatting="MARKDOWN", tbl_hide_column_data_types=True,
+                   tbl_hide_dataframe_shape=True, tbl_rows=-1, tbl_cols=-1, float_precision=4,
+                   fmt_str_lengths=40):
+        return str(_fmt(df))
+
+
+def print_table(df: pl.DataFrame) -> None:
+    """Print the shown columns of ``df`` (float columns to 4 significant places)."""
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True, float_precision=4,
+                   tbl_width_chars=250, fmt_str_lengths=40):
+        print(_fmt(df))
+
+
+def write_summary(df: pl.DataFrame, out_dir: Path) -> None:
+    """Save ``df`` as ``summary.parquet`` and ``summary.md`` in ``out_dir`` (atomically)."""
+    out_dir = Path(out_dir)
+    _atomic_parquet(df, out_dir / "summary.parquet")
+    tmp = out_dir / f".summary.md.tmp{os.getpid()}"
+    tmp.write_text(to_markdown(df) + "\n")
+    os.replace(tmp, out_dir / "summary.md")
