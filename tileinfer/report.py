@@ -1,0 +1,322 @@
+"""Accuracy-versus-speed report of a sweep: one Markdown file with tables and plots.
+
+    python -m tileinfer.report runs/                  # writes runs/report/
+    python -m tileinfer.report runs/ --out /tmp/rep
+
+Reads every result row under RUNS_DIR (the Parquet rows of ``python -m tileinfer.sweep``) and writes
+into the output folder:
+
+- ``summary.parquet`` / ``summary.md``: all rows as one table (:func:`tileinfer.tables.write_summary`);
+- ``scatter-*.png``: mean KL (log scale) against decode speed, one plot per (model, ctx, backend);
+- ``kl_by_position-*.png``: KL along the scored window, one plot per (model, ctx, backend, prompt set);
+- ``report.md``: one section per (model, ctx, backend) with one table per prompt set (prompt sets
+  are never averaged together), the drift columns under llama.cpp's ``--kl-divergence`` names and
+  prefill/decode speed as a ratio to the BF16 row; the plots are linked from it.
+
+Every file is written to a temporary name first and then renamed, and ``report.md`` comes last, so
+an interrupted report never leaves a half-written file under a final name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import polars as pl  # noqa: E402
+
+from evals.metrics import LLAMA_CPP_LABELS  # noqa: E402
+from tileinfer import tables  # noqa: E402
+from tileinfer.errors import UserError, exit_on_user_error  # noqa: E402
+
+GROUP = ["model", "ctx", "backend"]  # one report section each
+CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # one table row each (per prompt set)
+QUANT_ORDER = ["bf16", "int8_weights", "int8_kv", "int8_both"]
+
+
+def _label(key: str) -> str:
+    return " ".join(LLAMA_CPP_LABELS[key].split())  # "Mean    KLD" -> "Mean KLD"
+
+
+# (column, header, formatter) of the drift part of each table, in llama.cpp's names.
+DRIFT_COLUMNS = [
+    ("kl_mean", _label("kl_mean"), "{:.4g}"),
+    ("kl_median", _label("kl_median"), "{:.4g}"),
+    ("kl_p99", _label("kl_p99"), "{:.4g}"),
+    ("kl_p999", _label("kl_p999"), "{:.4g}"),
+    ("kl_max", _label("kl_max"), "{:.4g}"),
+    ("rms_dp", _label("rms_dp") + " (%)", "{:.3f}", 100),
+    ("top1_agree", _label("top1_agree") + " (%)", "{:.2f}", 100),
+    ("ppl_ref", _label("ppl_ref"), "{:.4f}"),
+    ("ppl_cand", _label("ppl_cand"), "{:.4f}"),
+]
+
+
+def load_rows(runs_dir: Path) -> pl.DataFrame:
+    """Every result row under ``runs_dir`` (the files :func:`tables.collect` reads), with the row's
+    file in an extra column ``row_file`` so its positions file can be found. Parquet files that are
+    not sweep rows (no model, quant, ctx, backend, prompt set or mean KL) are left out.
+
+    Raises:
+        UserError: ``runs_dir`` is not a folder or holds no result rows.
+    """
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        raise UserError(f"{runs_dir} is not a folder")
+    files = sorted(p for p in runs_dir.rglob("*.parquet")
+                   if not p.name.endswith(".positions.parquet") and not p.name.startswith((".", "summary")))
+    frames = [pl.read_parquet(f).with_columns(row_file=pl.lit(str(f))) for f in files]
+    df = pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
+    needed = [*GROUP, "quant", "prompt_set", "kl_mean"]
+    if set(needed) <= set(df.columns):
+        df = df.filter(pl.all_horizontal(pl.col(needed).is_not_null()))
+    if df.is_empty() or not {*needed, *CONFIG} <= set(df.columns):
+        raise UserError(f"no result rows under {runs_dir} (run python -m tileinfer.sweep first)")
+    return df
+
+
+def latest_rows(df: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """The newest row of each (group, config, prompt set), sorted for display and labelled in a
+    column ``config`` (:func:`config_label`), and how many older rows of the same key were dropped
+    (e.g. an earlier run with another n_score)."""
+    key = [*GROUP, *CONFIG, "prompt_set"]
+    df = df.with_columns(pl.col("smooth_keys").fill_null(False))
+    if "finished_at" in df.columns:
+        df = df.sort("finished_at", nulls_last=False)
+    newest = df.unique(subset=key, keep="last", maintain_order=True)
+    order = pl.col("quant").replace_strict(QUANT_ORDER, list(range(len(QUANT_ORDER))), default=len(QUANT_ORDER))
+    ctx_size = [pl.col("ctx_tokens").min().over("model", "ctx")] if "ctx_tokens" in df.columns else []
+    newest = newest.sort(["model", *ctx_size, "ctx", "backend", "prompt_set", order, "quant",
+                          pl.col("smooth_keys").not_(), "smooth_alpha"])
+    # Name α only when smoothed rows with several α are present.
+    show_alpha = newest.filter(pl.col("smooth_keys"))["smooth_alpha"].n_unique() > 1
+    labels = [config_label(q, s, a, show_alpha) for q, s, a in newest.select(CONFIG).iter_rows()]
+    return newest.with_columns(config=pl.Series(labels, dtype=pl.String)), len(df) - len(newest)
+
+
+def config_label(quant: str, smooth_keys: bool, alpha, show_alpha: bool = False) -> str:
+    """Readable name of a configuration: ``int8_kv (smoothed keys)``, ``int8_kv``, ``bf16``."""
+    if not smooth_keys:
+        return quant
+    return f"{quant} (smoothed keys, α={alpha:g})" if show_alpha and alpha is not None else f"{quant} (smoothed keys)"
+
+
+def _values(df: pl.DataFrame, column: str) -> str:
+    """The distinct values of ``column`` as text ("?" when the column is absent)."""
+    return ", ".join(map(str, df[column].unique(maintain_order=True))) if column in df.columns else "?"
+
+
+def _slug(*parts) -> str:
+    return "-".join(re.sub(r"[^A-Za-z0-9._]+", "_", str(p)) for p in parts)
+
+
+def _fmt(value, pattern: str, scale: float = 1) -> str:
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return "–"
+    return pattern.format(value * scale)
+
+
+def _speed(value, ref) -> str:
+    """``1,234 (1.76×)`` (three significant digits below 100 tok/s); without a BF16 reference
+    just ``1,234``."""
+    if value is None:
+        return "–"
+    text = f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+    return f"{text} ({value / ref:.2f}×)" if ref else text
+
+
+def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
+    """A Markdown table with one row per configuration of one prompt set (BF16 first) and the
+    notes it needs (missing BF16 reference, KL estimated rather than exact)."""
+    notes = []
+    bf16 = rows.filter(pl.col("quant") == "bf16")
+    ref = bf16.row(0, named=True) if len(bf16) else {}
+    if not ref:
+        notes.append("no BF16 row here, so speeds are shown without ratios.")
+    est = "kl_estimate" in rows.columns and rows["kl_estimate"].drop_nulls().ne("exact").any()
+    head = (["Config"] + [h for _, h, *_ in DRIFT_COLUMNS] + ["Greedy agree len (tokens)", "Prefill tok/s",
+            "Decode tok/s"] + (["KL estimate"] if est else []))
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows.iter_rows(named=True):
+        per_prompt = r["n_scored"] / max(r.get("n_prompts") or 1, 1) if r.get("n_scored") else None
+        greedy = _fmt(r.get("greedy_agree_len"), "{:.4g}") + (f" of {per_prompt:.0f}" if per_prompt else "")
+        cells = ([r["config"]] + [_fmt(r.get(c), f, *s) for c, _, f, *s in DRIFT_COLUMNS] + [greedy,
+                 _speed(r.get("prefill_tok_s"), ref.get("prefill_tok_s")),
+                 _speed(r.get("decode_tok_s"), ref.get("decode_tok_s"))]
+                 + ([r.get("kl_estimate") or "–"] if est else []))
+        lines.append("| " + " | ".join(cells) + " |")
+    if est:
+        notes.append("some KL values are estimates (see the KL estimate column), not exact sums over the vocabulary.")
+    return "\n".join(lines), notes
+
+
+def _save(fig, path: Path) -> None:
+    """Write ``fig`` as PNG to ``path`` atomically and close it."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _colors(group: pl.DataFrame) -> dict[str, tuple]:
+    """One color per configuration of a group, in table order, shared by all of its plots."""
+    cmap = plt.get_cmap("tab10")
+    return {lab: cmap(i % 10) for i, lab in enumerate(dict.fromkeys(group["config"]))}
+
+
+def scatter_plot(group: pl.DataFrame, title: str, colors: dict, path: Path) -> list[str]:
+    """Write the mean-KL-against-decode-speed scatter of one group to ``path``: one marker per row
+    (color = configuration, shape = prompt set) and each BF16 row as a vertical line at its decode
+    speed (its KL is 0, which a log axis cannot show). Returns notes on rows that could not be drawn."""
+    notes = []
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    markers = dict(zip(dict.fromkeys(group["prompt_set"]), "osD^vP*X"))
+    bf16 = dict(group.filter(pl.col("quant") == "bf16").select("prompt_set", "decode_tok_s").iter_rows())
+    for (ps, speed), ls in zip(bf16.items(), ["--", ":", "-.", (0, (6, 2, 1, 2))] * 4):
+        if speed:
+            ax.axvline(speed, color="0.35", ls=ls, lw=1.2, label=f"bf16 (KL = 0), prompt set {ps}")
+    for r in group.filter(pl.col("quant") != "bf16").iter_rows(named=True):
+        lab, speed, kl = r["config"], r.get("decode_tok_s"), r.get("kl_mean")
+        if speed is None:
+            notes.append(f"{lab} / {r['prompt_set']}: no decode speed, not plotted.")
+        elif kl is None or not kl > 0 or not np.isfinite(kl):
+            notes.append(f"{lab} / {r['prompt_set']}: mean KL {kl} cannot be shown on a log axis, not plotted.")
+        else:
+            ax.scatter(speed, kl, color=colors[lab], marker=markers[r["prompt_set"]], s=60,
+                       edgecolors="black", linewidths=0.5, zorder=3)
+    # Legend: one entry per configuration (color) and per prompt set (shape).
+    for lab in dict.fromkeys(group.filter(pl.col("quant") != "bf16")["config"]):
+        ax.scatter([], [], color=colors[lab], marker="s", label=lab)
+    for ps, m in markers.items():
+        ax.scatter([], [], color="white", edgecolors="black", marker=m, label=f"prompt set: {ps}")
+    ax.set_yscale("log")
+    ax.set_xlabel("decode speed (tokens/s, higher is better)")
+    ax.set_ylabel("mean KL(BF16 ‖ config) (nats, log scale)")
+    ax.set_title(f"Accuracy vs. speed — {title}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
+    _save(fig, path)
+    return notes
+
+
+def _rolling_mean(x: np.ndarray, window: int) -> np.ndarray:
+    """Centered rolling mean; near the ends the window is cut short (no padding)."""
+    c = np.concatenate([[0.0], np.cumsum(x, dtype=np.float64)])
+    i = np.arange(len(x))
+    lo, hi = np.maximum(i - window // 2, 0), np.minimum(i + (window + 1) // 2, len(x))
+    return (c[hi] - c[lo]) / (hi - lo)
+
+
+def position_plot(rows: pl.DataFrame, title: str, colors: dict, path: Path) -> tuple[bool, list[str]]:
+    """Write KL per position along the scored window for each non-BF16 configuration of one prompt
+    set to ``path`` (raw values faint, a rolling mean over them bold). Returns whether a figure was
+    written (not when no positions file could be read) and notes on skipped configurations."""
+    notes, lines = [], []
+    for r in rows.filter(pl.col("quant") != "bf16").iter_rows(named=True):
+        lab = r["config"]
+        pos_file = Path(r["row_file"]).with_suffix(".positions.parquet")
+        if not pos_file.is_file():
+            notes.append(f"{lab}: no positions file ({pos_file.name}), line skipped.")
+            continue
+        p = pl.read_parquet(pos_file, columns=["position", "kl"]).sort("position")
+        lines.append((lab, p["position"].to_numpy(), p["kl"].to_numpy().astype(np.float64)))
+    if not lines:
+        return False, notes
+    n = max(len(x) for _, x, _ in lines)
+    window = max(8, n // 16)
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    lowest = []
+    for lab, x, kl in lines:
+        smooth = _rolling_mean(kl, window)
+        ax.plot(x, kl, color=colors[lab], lw=0.6, alpha=0.25)
+        ax.plot(x, smooth, color=colors[lab], lw=2, label=lab)
+        lowest += [v for v in (smooth[smooth > 0].min(initial=np.inf),) if np.isfinite(v)]
+    ax.plot([], [], color="0.5", lw=0.6, alpha=0.5, label="raw, per position")
+    ax.set_yscale("log")
+    if lowest:  # raw dips far below the trend would squash it; cut them off 1.5 decades below
+        ax.set_ylim(bottom=min(lowest) / 30)
+    ax.set_xlabel("position in the scored window (tokens after the prompt)")
+    ax.set_ylabel("KL(BF16 ‖ config) (nats, log scale)")
+    ax.set_title(f"KL along the scored window — {title}\n(bold: rolling mean over {window} positions; "
+                 "bf16 is 0 everywhere, not drawn)", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
+    if rows["n_prompts"].max() > 1:
+        ax.set_xlabel("position in the scored windows of all prompts, concatenated (tokens)")
+    _save(fig, path)
+    return True, notes
+
+
+def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
+    """Write the report of the rows under ``runs_dir`` into ``out_dir`` (default
+    ``runs_dir/report``): summary table, PNG plots, then ``report.md``. Returns the path of
+    ``report.md``. Raises UserError when there are no rows."""
+    runs_dir = Path(runs_dir)
+    out_dir = Path(out_dir) if out_dir else runs_dir / "report"
+    df = load_rows(runs_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tables.write_summary(df.drop("row_file"), out_dir)
+    rows, dropped = latest_rows(df)
+    several_backends = rows["backend"].n_unique() > 1
+
+    md = [f"# tileinfer report: {runs_dir}", "",
+          f"{len(rows)} result rows, generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. "
+          "All rows: [summary.md](summary.md) / `summary.parquet`.", "",
+          "Drift statistics are those of llama.cpp's `perplexity --kl-divergence`, under its names: "
+          "KL(BF16 ‖ config) in nats over the scored positions (the BF16 model's greedy reply after a prompt of ctx tokens), "
+          "RMS Δp and Same top p in percent. Greedy agree len is how many leading reply tokens the "
+          "configuration reproduces greedily (mean over prompts, of the window length). "
+          "**Prompt sets are not averaged together**: each gets its own table, every number is exactly "
+          "the sweep's row. Speeds are tokens/s with the ratio to the BF16 row of the same table in "
+          "parentheses (above 1.00× is faster)."]
+    if dropped:
+        md += ["", f"Note: {dropped} older row(s) of a configuration that has a newer row were left out."]
+    for key, group in rows.group_by(GROUP, maintain_order=True):
+        model, ctx, backend = key
+        title = f"{model}, ctx {ctx}" + (f", backend {backend}" if several_backends else "")
+        md += ["", f"## {title}", "", f"Model `{model}`, ctx {ctx} ({_values(group, 'ctx_tokens')} prompt "
+               f"tokens), backend `{backend}`, device {_values(group, 'device')}."]
+        colors = _colors(group)
+        for (prompt_set,), rs in group.group_by("prompt_set", maintain_order=True):
+            table, notes = markdown_table(rs)
+            n = rs["n_scored"].max()
+            md += ["", f"### Prompt set `{prompt_set}` ({rs['n_prompts'].max()} prompt(s), {n} scored positions)",
+                   "", table]
+            md += [f"\nNote: {t}" for t in notes]
+        scatter = out_dir / f"scatter-{_slug(model, ctx, backend)}.png"
+        notes = scatter_plot(group, title, colors, scatter)
+        md += ["", f"![mean KL against decode speed, {title}]({scatter.name})"]
+        md += [f"\nNote: {t}" for t in notes]
+        for (prompt_set,), rs in group.group_by("prompt_set", maintain_order=True):
+            fig = out_dir / f"kl_by_position-{_slug(model, ctx, backend, prompt_set)}.png"
+            written, notes = position_plot(rs, f"{title}, prompt set {prompt_set}", colors, fig)
+            if written:
+                md += ["", f"![KL per position, {title}, prompt set {prompt_set}]({fig.name})"]
+            elif rs["quant"].ne("bf16").any():
+                notes.append(f"no positions files for prompt set {prompt_set}, so no KL-per-position plot.")
+            md += [f"\nNote: {t}" for t in notes]
+    report = out_dir / "report.md"
+    tmp = out_dir / f".report.md.tmp{os.getpid()}"
+    tmp.write_text("\n".join(md) + "\n")
+    os.replace(tmp, report)
+    return report
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="tileinfer.report", description=__doc__.splitlines()[0])
+    ap.add_argument("runs_dir", type=Path, help="folder of sweep results (searched at any depth)")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default: RUNS_DIR/report)")
+    args = ap.parse_args(argv)
+    with exit_on_user_error("tileinfer.report"):
+        print(f"wrote {render(args.runs_dir, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
