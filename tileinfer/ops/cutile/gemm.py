@@ -1,0 +1,360 @@
+"""Linear layers: skinny GEMM (decode/verify, 1-16 rows) and tiled GEMM (prefill), BF16 or INT8.
+
+``y = x @ w.T``, with w [out, in] row-major (transformers' layout, no transposed copy: the GEMM
+loads the weight tile with ``order=(1, 0)``, the skinny kernels use it as the A operand as it
+is stored). Three epilogues share the kernels:
+
+- linear: round to the model dtype like ``F.linear``; INT8 weights multiply one float32 scale per
+  output channel into the product (TileInfer.jl's weight-only INT8); optional bias.
+- swiglu: the gate and up rows of the stacked ``gate_up_proj`` are two accumulators of the same
+  block; ``silu(gate) * up`` is applied before the only store (Shazeer, 2020), so the [T, 2*inter]
+  intermediate never reaches memory.
+- logits (lm_head): float32 output, no rounding.
+
+Decode steps are memory-bound: each weight byte is read once. Rows are padded to 16 for the
+tensor cores (TileInfer.jl measured 8x slower products below 16 rows: the small-matrix path
+spills). When the output is too narrow to give about one block per SM, the reduction axis is
+split (split-K) into a float32 workspace that a second small kernel sums and finishes. The
+skinny kernels start streaming their first weight tile before the PDL wait (see _common.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import cuda.tile as ct
+from tileinfer.ops import Int8Weight
+from tileinfer.ops.cutile._common import (ZERO, ConstBool, ConstInt, cdiv, dummy, launch,
+                                          pdl_prologue, workspace)
+
+SKINNY_ROWS = 16          # decode / verify steps up to this many rows use the skinny kernels
+SKINNY_TN = 64            # output channels per skinny block (the HGMMA M; 64 is its minimum)
+SPLIT_K = True            # allow split-K for narrow skinny products (bench toggles it)
+MAX_SPLIT = 16
+MIN_K_TILES = 2           # each split reduces at least this many K tiles
+MIN_BLOCKS = 90           # split K until the grid has ~2/3 of the H200's 132 SMs busy (measured)
+PLAN_OVERRIDE: dict = {}  # bench: force TN / TK / S
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _operands(w, x, INT8):
+    """Bring the weight tile ``w`` and the activation tile ``x`` to one dtype for the mma: INT8
+    weights convert to the activation dtype (exact for |q| <= 127); a float32 weight (lm_head
+    kept in float32) lifts the activations to float32."""
+    if INT8:
+        w = ct.astype(w, x.dtype)
+    elif w.dtype != x.dtype:
+        w = ct.astype(w, ct.float32)
+        x = ct.astype(x, ct.float32)
+    return w, x
+
+
+def _finish(acc, sc, bias, dt, INT8, HAS_BIAS, LOGITS):
+    """Epilogue of one accumulator (float32 [rows, TN]) -> float32 values ready for the store.
+
+    Mirrors the reference's roundings: F.linear rounds its product to the model dtype, the INT8
+    scale is applied to that and rounded again, the bias add is rounded once more. Logits keep the
+    float32 product (times the INT8 scale).
+    """
+    if LOGITS:
+        y = acc
+        if INT8:
+            y = y * sc
+        return y
+    y = ct.astype(ct.astype(acc, dt), ct.float32)
+    if INT8:
+        y = ct.astype(ct.astype(y * sc, dt), ct.float32)
+    if HAS_BIAS:
+        y = ct.astype(ct.astype(y + bias, dt), ct.float32)
+    return y
+
+
+def _row_vec(arr, j, TN, ENABLED):
+    """Per-output-channel vector tile [1, TN] (float32) at tile j, or 0 when the input is absent."""
+    if ENABLED:
+        return ct.reshape(ct.astype(ct.load(arr, (j,), shape=(TN,), padding_mode=ZERO),
+                                    ct.float32), (1, TN))
+    return 0.0
+
+
+def _gate_up_scales(scale, j, TN, inter, INT8):
+    """Per-channel scales of the gate and up halves of a stacked INT8 gate_up weight."""
+    if INT8:
+        return (_row_vec(scale.slice(axis=0, start=0, stop=inter), j, TN, True),
+                _row_vec(scale.slice(axis=0, start=inter, stop=2 * inter), j, TN, True))
+    return 0.0, 0.0
+
+
+def _silu_mul(g, u):
+    return g / (1.0 + ct.exp(-g)) * u
+
+
+# ------------------------------------------------------------------------------ skinny kernels
+#
+# The weight tile is the A operand ([TN, TK], as stored) and the 16 padded activation rows the B
+# operand ([TK, 16], x loaded transposed): the product is [TN, 16], transposed in the epilogue.
+# With M = TN >= 64 this lowers to Hopper's warpgroup MMA (HGMMA) with no spills; the other way
+# round (x as A, M = 16) cuTile 1.7 emitted HMMA for TN >= 32 and neither HMMA nor HGMMA, with
+# ~1000 spilled words, for TN = 16 (SASS of the sm_90 cubins, see NOTES.md).
+
+
+def _skinny_acc(x, w, j, k0, k1, nk, TN, TK, INT8):
+    """acc^T [16, TN] over K tiles [k0, k1) (nk tiles in all).
+
+    The first weight tile is requested *before* waiting for the previous kernel (PDL): weights are
+    never written by an earlier kernel of a step, so their stream starts during the predecessor's
+    tail. The activations are read only after the wait.
+    """
+    w0 = ct.load(w, (j, min(k0, nk - 1)), shape=(TN, TK), padding_mode=ZERO, latency=10)
+    ct.grid_dependency_control_wait()
+    acc = ct.zeros((TN, 16), ct.float32)
+    if k0 < k1:
+        x0 = ct.load(x, (k0, 0), shape=(TK, 16), order=(1, 0), padding_mode=ZERO)
+        w0, x0 = _operands(w0, x0, INT8)
+        acc = ct.mma(w0, x0, acc)
+    for kk in range(k0 + 1, k1):
+        xt = ct.load(x, (kk, 0), shape=(TK, 16), order=(1, 0), padding_mode=ZERO)
+        wt = ct.load(w, (j, kk), shape=(TN, TK), padding_mode=ZERO, latency=10)
+        wt, xt = _operands(wt, xt, INT8)
+        acc = ct.mma(wt, xt, acc)
+    return ct.transpose(acc)
+
+
+@ct.kernel(occupancy=2)
+def gemv_kernel(x, w, scale, bias, out, TN: ConstInt, TK: ConstInt, INT8: ConstBool,
+                HAS_BIAS: ConstBool, LOGITS: ConstBool):
+    """One block per TN output channels; x padded to 16 rows; full reduction in the block."""
+    ct.grid_dependency_control_launch_dependents()   # the wait is in _skinny_acc
+    j = ct.bid(0)
+    nk = ct.cdiv(x.shape[1], TK)
+    acc = _skinny_acc(x, w, j, 0, nk, nk, TN, TK, INT8)
+    y = _finish(acc, _row_vec(scale, j, TN, INT8), _row_vec(bias, j, TN, HAS_BIAS), out.dtype,
+                INT8, HAS_BIAS, LOGITS)
+    ct.store(out, (0, j), ct.astype(y, out.dtype))
+
+
+@ct.kernel(occupancy=2)
+def gemv_swiglu_kernel(x, w, scale, out, TN: ConstInt, TK: ConstInt, INT8: ConstBool):
+    """SwiGLU GEMV: gate rows [0, inter) and up rows [inter, 2 inter) of w, fused epilogue.
+    As in _skinny_acc, the first gate and up tiles are requested before the PDL wait."""
+    ct.grid_dependency_control_launch_dependents()
+    j = ct.bid(0)
+    inter = out.shape[1]
+    wg = w.slice(axis=0, start=0, stop=inter)
+    wu = w.slice(axis=0, start=inter, stop=2 * inter)
+    bg = ct.load(wg, (j, 0), shape=(TN, TK), padding_mode=ZERO, latency=10)
+    bu = ct.load(wu, (j, 0), shape=(TN, TK), padding_mode=ZERO, latency=10)
+    ct.grid_dependency_control_wait()
+    xt = ct.load(x, (0, 0), shape=(TK, 16), order=(1, 0), padding_mode=ZERO)
+    bg, x1 = _operands(bg, xt, INT8)
+    bu, x2 = _operands(bu, xt, INT8)
+    accg = ct.mma(bg, x1, ct.zeros((TN, 16), ct.float32))
+    accu = ct.mma(bu, x2, ct.zeros((TN, 16), ct.float32))
+    for kk in range(1, ct.cdiv(x.shape[1], TK)):
+        xt = ct.load(x, (kk, 0), shape=(TK, 16), order=(1, 0), padding_mode=ZERO)
+        bg = ct.load(wg, (j, kk), shape=(TN, TK), padding_mode=ZERO, latency=10)
+        bu = ct.load(wu, (j, kk), shape=(TN, TK), padding_mode=ZERO, latency=10)
+        bg, x1 = _operands(bg, xt, INT8)
+        bu, x2 = _operands(bu, xt, INT8)
+        accg = ct.mma(bg, x1, accg)
+        accu = ct.mma(bu, x2, accu)
+    scg, scu = _gate_up_scales(scale, j, TN, inter, INT8)
+    g = _finish(ct.transpose(accg), scg, 0.0, out.dtype, INT8, False, False)
+    u = _finish(ct.transpose(accu), scu, 0.0, out.dtype, INT8, False, False)
+    ct.store(out, (0, j), ct.astype(_silu_mul(g, u), out.dtype))
+
+
+@ct.kernel(occupancy=2)
+def gemv_partial_kernel(x, w, ws, TN: ConstInt, TK: ConstInt, INT8: ConstBool):
+    """Split-K part: block (j, s) reduces the s-th slice of K tiles into ws[s, :T, j*TN:...]."""
+    ct.grid_dependency_control_launch_dependents()   # the wait is in _skinny_acc
+    j = ct.bid(0)
+    s = ct.bid(1)
+    nk = ct.cdiv(x.shape[1], TK)
+    per = ct.cdiv(nk, ct.num_blocks(1))
+    k0 = s * per
+    acc = _skinny_acc(x, w, j, k0, min(k0 + per, nk), nk, TN, TK, INT8)
+    ct.store(ws, (s, 0, j), ct.reshape(acc, (1, 16, TN)))
+
+
+@ct.kernel
+def gemv_reduce_kernel(ws, scale, bias, out, SP: ConstInt, TN: ConstInt, INT8: ConstBool,
+                       HAS_BIAS: ConstBool, LOGITS: ConstBool, SWIGLU: ConstBool):
+    """Split-K finish: sum the SP partials of TN channels, then the linear/logits/swiglu end."""
+    pdl_prologue()
+    j = ct.bid(0)
+    if SWIGLU:
+        inter = out.shape[1]
+        g = ct.sum(ct.load(ws.slice(axis=2, start=0, stop=inter), (0, 0, j), shape=(SP, 16, TN),
+                           padding_mode=ZERO), axis=0)
+        u = ct.sum(ct.load(ws.slice(axis=2, start=inter, stop=2 * inter), (0, 0, j),
+                           shape=(SP, 16, TN), padding_mode=ZERO), axis=0)
+        scg, scu = _gate_up_scales(scale, j, TN, inter, INT8)
+        g = _finish(g, scg, 0.0, out.dtype, INT8, False, False)
+        u = _finish(u, scu, 0.0, out.dtype, INT8, False, False)
+        y = _silu_mul(g, u)
+    else:
+        acc = ct.sum(ct.load(ws, (0, 0, j), shape=(SP, 16, TN), padding_mode=ZERO), axis=0)
+        y = _finish(acc, _row_vec(scale, j, TN, INT8), _row_vec(bias, j, TN, HAS_BIAS), out.dtype,
+                    INT8, HAS_BIAS, LOGITS)
+    ct.store(out, (0, j), ct.astype(y, out.dtype))
+
+
+# -------------------------------------------------------------------------------- GEMM kernels
+
+
+@ct.kernel
+def gemm_kernel(x, w, scale, bias, out, TM: ConstInt, TN: ConstInt, TK: ConstInt,
+                INT8: ConstBool, HAS_BIAS: ConstBool, LOGITS: ConstBool):
+    """Prefill GEMM: block (m, n) owns out[m*TM:, n*TN:]; m varies fastest in launch order so the
+    blocks sharing a weight tile run together and the weight is read from memory once."""
+    pdl_prologue()
+    bm = ct.bid(0)
+    bn = ct.bid(1)
+    acc = ct.zeros((TM, TN), ct.float32)
+    for kk in range(ct.cdiv(x.shape[1], TK)):
+        a = ct.load(x, (bm, kk), shape=(TM, TK), padding_mode=ZERO)
+        b = ct.load(w, (kk, bn), shape=(TK, TN), order=(1, 0), padding_mode=ZERO)
+        b, a = _operands(b, a, INT8)
+        acc = ct.mma(a, b, acc)
+    y = _finish(acc, _row_vec(scale, bn, TN, INT8), _row_vec(bias, bn, TN, HAS_BIAS), out.dtype,
+                INT8, HAS_BIAS, LOGITS)
+    ct.store(out, (bm, bn), ct.astype(y, out.dtype))
+
+
+@ct.kernel
+def gemm_swiglu_kernel(x, w, scale, out, TM: ConstInt, TN: ConstInt, TK: ConstInt,
+                       INT8: ConstBool):
+    """Prefill SwiGLU GEMM: gate and up accumulators side by side, silu(g) * u in the epilogue."""
+    pdl_prologue()
+    bm = ct.bid(0)
+    bn = ct.bid(1)
+    inter = out.shape[1]
+    wg = w.slice(axis=0, start=0, stop=inter)
+    wu = w.slice(axis=0, start=inter, stop=2 * inter)
+    accg = ct.zeros((TM, TN), ct.float32)
+    accu = ct.zeros((TM, TN), ct.float32)
+    for kk in range(ct.cdiv(x.shape[1], TK)):
+        a = ct.load(x, (bm, kk), shape=(TM, TK), padding_mode=ZERO)
+        bg = ct.load(wg, (kk, bn), shape=(TK, TN), order=(1, 0), padding_mode=ZERO)
+        bu = ct.load(wu, (kk, bn), shape=(TK, TN), order=(1, 0), padding_mode=ZERO)
+        bg, a1 = _operands(bg, a, INT8)
+        bu, a2 = _operands(bu, a, INT8)
+        accg = ct.mma(a1, bg, accg)
+        accu = ct.mma(a2, bu, accu)
+    scg, scu = _gate_up_scales(scale, bn, TN, inter, INT8)
+    g = _finish(accg, scg, 0.0, out.dtype, INT8, False, False)
+    u = _finish(accu, scu, 0.0, out.dtype, INT8, False, False)
+    ct.store(out, (bm, bn), ct.astype(_silu_mul(g, u), out.dtype))
+
+
+# ------------------------------------------------------------------------------------ planning
+
+
+def skinny_plan(n_out: int, n_w: int, k: int, w_bytes: int, swiglu: bool = False) -> dict:
+    """Tiles of a skinny product: TN channels per block, TK of the reduction per load, S splits.
+
+    n_out: output channels (inter for swiglu); n_w: weight rows; k: reduction; w_bytes: 1 for
+    INT8 weights. A weight tile is 16 KB (64 x 128 bf16, 64 x 256 int8). S is the smallest power
+    of two that gives at least MIN_BLOCKS blocks (each split keeping >= MIN_K_TILES tiles of K).
+    Measured on the H200 (NOTES.md, sweep of TN x TK x S): about one block per SM is the sweet
+    spot; 40 blocks (Qwen3-4B down, S=1) ran 1.35x slower than S=4, and 384 blocks (4B qkv, S=4)
+    1.07x slower than its 96 unsplit ones. ``PLAN_OVERRIDE`` (bench) replaces any field.
+    """
+    tn = SKINNY_TN
+    tk = 128 if w_bytes >= 2 else 256
+    nk = cdiv(k, tk)
+    s = 1
+    if SPLIT_K and cdiv(n_out if swiglu else n_w, tn) < MIN_BLOCKS:
+        tiles = cdiv(n_w, tn)
+        s = 2
+        while s < MAX_SPLIT and tiles * s < MIN_BLOCKS and 2 * s * MIN_K_TILES <= nk:
+            s *= 2
+        if s * MIN_K_TILES > nk:
+            s = 1
+    plan = dict(TN=tn, TK=tk, S=s)
+    plan.update(PLAN_OVERRIDE)
+    return plan
+
+
+def gemm_plan(t: int, swiglu: bool) -> dict:
+    """Prefill GEMM tiles: 128x128x64 (64 wide per accumulator for swiglu, which holds two);
+    64-row tiles for short chunks so the grid has more blocks."""
+    return dict(TM=128 if t > 64 else 64, TN=64 if swiglu else 128, TK=64)
+
+
+def _weight(w):
+    if isinstance(w, Int8Weight):
+        return w.q, w.scale, True
+    return w, None, False
+
+
+def _run(x: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor, swiglu: bool,
+         logits: bool) -> torch.Tensor:
+    wq, scale, int8 = _weight(w)
+    T, K = x.shape
+    if T == 0:
+        return out
+    dev = x.device
+    sc = scale if int8 else dummy(dev)
+    b = bias if bias is not None else dummy(dev)
+    n_out = out.shape[1]
+    if T <= SKINNY_ROWS:
+        p = skinny_plan(n_out, wq.shape[0], K, wq.element_size(), swiglu)
+        tn, tk, s = p["TN"], p["TK"], p["S"]
+        if s > 1:
+            ws = workspace("splitk", (s, T, wq.shape[0]), torch.float32, dev)
+            launch(gemv_partial_kernel, (cdiv(wq.shape[0], tn), s, 1), (x, wq, ws, tn, tk, int8))
+            launch(gemv_reduce_kernel, (cdiv(n_out, tn), 1, 1),
+                   (ws, sc, b, out, s, tn, int8, bias is not None, logits, swiglu))
+        elif swiglu:
+            launch(gemv_swiglu_kernel, (cdiv(n_out, tn), 1, 1), (x, wq, sc, out, tn, tk, int8))
+        else:
+            launch(gemv_kernel, (cdiv(n_out, tn), 1, 1),
+                   (x, wq, sc, b, out, tn, tk, int8, bias is not None, logits))
+        return out
+    p = gemm_plan(T, swiglu)
+    grid = (cdiv(T, p["TM"]), cdiv(n_out, p["TN"]), 1)
+    if swiglu:
+        launch(gemm_swiglu_kernel, grid, (x, wq, sc, out, p["TM"], p["TN"], p["TK"], int8))
+    else:
+        launch(gemm_kernel, grid, (x, wq, sc, b, out, p["TM"], p["TN"], p["TK"], int8,
+                                   bias is not None, logits))
+    return out
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + bias``: x [T, in] -> [T, out] in x's dtype.
+
+    w: [out, in] in x's dtype, or an Int8Weight (int8 [out, in] + float32 scale [out], the scale
+    applied in the epilogue). bias: [out] or None. T <= 16 runs the skinny (GEMV) kernels,
+    larger T the tiled GEMM.
+    """
+    wq = w.q if isinstance(w, Int8Weight) else w
+    out = torch.empty(x.shape[0], wq.shape[0], dtype=x.dtype, device=x.device)
+    return _run(x, w, bias, out, swiglu=False, logits=False)
+
+
+def swiglu(x: torch.Tensor, w_gate_up, bias=None) -> torch.Tensor:
+    """SwiGLU MLP input: ``silu(x @ Wg.T) * (x @ Wu.T)`` with SiLU-and-multiply in the epilogue.
+
+    x: [T, hidden]; w_gate_up: [2 * inter, hidden] (gate rows first) or an Int8Weight of that
+    shape. Returns [T, inter] in x's dtype. ``bias`` must be None (no supported model has one).
+    """
+    if bias is not None:
+        raise NotImplementedError("swiglu with a bias is not supported by the cutile backend")
+    wq = w_gate_up.q if isinstance(w_gate_up, Int8Weight) else w_gate_up
+    out = torch.empty(x.shape[0], wq.shape[0] // 2, dtype=x.dtype, device=x.device)
+    return _run(x, w_gate_up, None, out, swiglu=True, logits=False)
+
+
+def lm_head(x: torch.Tensor, w) -> torch.Tensor:
+    """Logits in float32: x [T, hidden] @ w.T -> [T, vocab] float32, accumulated in float32.
+
+    w: [vocab, hidden] (model dtype or float32) or an Int8Weight. BF16 products are exact in
+    float32, so only the summation order differs from the reference's float32 matmul.
+    """
+    wq = w.q if isinstance(w, Int8Weight) else w
+    out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.float32, device=x.device)
+    return _run(x, w, None, out, swiglu=False, logits=True)

@@ -1,0 +1,211 @@
+"""Paged flash-attention: a prefill kernel, and a split-KV decode kernel with its combine step.
+
+Both read the KV pages in place through the block table (PagedAttention, Kwon et al. 2023), one
+page of ``page_size`` keys per step, with the online softmax of FlashAttention-2 (Dao, 2023) in
+base 2. The context length is read from ``positions`` on the device, so a step can be replayed from
+a CUDA graph at any length; grids depend only on shapes.
+
+- Prefill (T > 16 query rows): one block per (64 query rows, query head); causal mask per row
+  (key j is visible to the query at position p iff j <= p), applied only on pages that reach past
+  the block's smallest query position.
+- Decode / verify (T <= 16): one block per (KV head, split); the block takes every query head of
+  its GQA group and every query row at once (rows padded to >= 16 for the tensor cores), and
+  walks its share of the pages; the context is cut into a fixed number of splits so all SMs work
+  even for one sequence (FlashDecoding, Dao et al. 2023; TileInfer.jl's split-KV). A second
+  kernel merges the splits' (max, sum, output) triples.
+
+INT8 caches are never dequantized to memory: the key scale multiplies its column of scores, the
+value scale its probability (TileInfer.jl's INT8 KV cache), and int8 tiles are converted to the
+query dtype in registers for the tensor cores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import cuda.tile as ct
+from tileinfer.kv_cache import KVLayer
+from tileinfer.ops import reference as ref
+from tileinfer.ops.cutile._common import (LOG2E, TARGET_BLOCKS, ZERO, ConstBool, ConstInt, cdiv,
+                                          dummy, is_pow2, launch, next_pow2, pdl_prologue,
+                                          workspace)
+
+DECODE_ROWS = 16        # T <= this: split-KV decode kernels; larger T: prefill kernel
+PREFILL_TM = 64         # query rows per prefill block
+MAX_SPLITS = 128
+_BIG = 1 << 30
+_NEG_INF = -math.inf
+
+
+def _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i, acc, scale2,
+                 M, D, PS, INT8):
+    """One page of keys for the query tile qt [M, D]: online-softmax update of (m, l, acc).
+
+    Scores are in base-2 units (scale2 = sm_scale * log2 e). Keys past a row's position are
+    masked only when the page reaches past the smallest query position (pmin): earlier pages
+    are visible to every row. Values past the context (L) are zeroed on such pages, since an
+    unwritten slot may hold NaN and 0 * NaN would leak into the product.
+    """
+    need_mask = (pi + 1) * PS - 1 > pmin
+    kt = ct.reshape(ct.load(kc, (page, h, 0, 0), shape=(1, 1, D, PS), order=(0, 1, 3, 2),
+                            latency=8), (D, PS))
+    if kt.dtype != qt.dtype:
+        kt = ct.astype(kt, qt.dtype)    # int8 keys: exact in bf16, converted in registers
+    s = ct.mma(qt, kt, ct.zeros((M, PS), ct.float32))
+    if INT8:
+        s = s * ct.reshape(ct.load(ks, (page, h, 0), shape=(1, 1, PS)), (1, PS))
+    s = s * scale2
+    kpos = pi * PS + ct.arange(PS, dtype=ct.int32)
+    if need_mask:
+        s = ct.where(ct.reshape(kpos, (1, PS)) <= qpos, s, _NEG_INF)
+    m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True))
+    m_safe = ct.where(m_new == _NEG_INF, 0.0, m_new)   # a row with no visible key yet
+    p = ct.exp2(s - m_safe)
+    alpha = ct.exp2(m_i - m_safe)
+    l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
+    v = ct.reshape(ct.load(vc, (page, h, 0, 0), shape=(1, 1, PS, D), latency=8), (PS, D))
+    if INT8:
+        p = p * ct.reshape(ct.load(vs, (page, h, 0), shape=(1, 1, PS)), (1, PS))
+        if need_mask:
+            p = ct.where(ct.reshape(kpos, (1, PS)) <= qpos, p, 0.0)  # 0 * garbage scale
+    elif need_mask:
+        v = ct.where(ct.reshape(kpos, (PS, 1)) < L, v, 0.0)
+    if v.dtype != qt.dtype:
+        v = ct.astype(v, qt.dtype)
+    acc = ct.mma(ct.astype(p, qt.dtype), v, acc * alpha)
+    return m_new, l_i, acc
+
+
+@ct.kernel(occupancy=2)   # 2 blocks/SM: 128 registers, no spills at TM = 64 (auto: 272 B stack)
+def prefill_attention_kernel(q, kc, vc, ks, vs, bt, pos, out, scale2: float, TM: ConstInt,
+                             D: ConstInt, PS: ConstInt, INT8: ConstBool):
+    pdl_prologue()
+    mb = ct.bid(0)
+    hq = ct.bid(1)
+    G = q.shape[1] // kc.shape[1]
+    h = hq // G
+    T = q.shape[0]
+    qt = ct.reshape(ct.load(q, (mb, hq, 0), shape=(TM, 1, D), padding_mode=ZERO), (TM, D))
+    posv = ct.load(pos, (mb,), shape=(TM,), padding_mode=ZERO)
+    rows = mb * TM + ct.arange(TM, dtype=ct.int32)
+    pmin = ct.min(ct.where(rows < T, posv, _BIG))
+    L = ct.max(posv) + 1
+    qpos = ct.reshape(posv, (TM, 1))
+    m_i = ct.full((TM, 1), _NEG_INF, ct.float32)
+    l_i = ct.zeros((TM, 1), ct.float32)
+    acc = ct.zeros((TM, D), ct.float32)
+    for pi in range(ct.cdiv(L, PS)):
+        page = ct.load(bt, (pi,), shape=())
+        m_i, l_i, acc = _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i,
+                                     acc, scale2, TM, D, PS, INT8)
+    o = acc / l_i
+    ct.store(out, (mb, hq, 0), ct.reshape(ct.astype(o, out.dtype), (TM, 1, D)))
+
+
+@ct.kernel
+def decode_split_kernel(q, kc, vc, ks, vs, bt, pos, o_part, m_part, l_part, scale2: float,
+                        TP: ConstInt, GP: ConstInt, D: ConstInt, PS: ConstInt, INT8: ConstBool):
+    pdl_prologue()
+    h = ct.bid(0)
+    s = ct.bid(1)
+    S = ct.num_blocks(1)
+    G = q.shape[1] // kc.shape[1]
+    T = q.shape[0]
+    M = TP * GP
+    qh = q.slice(axis=1, start=h * G, stop=h * G + G)
+    qt = ct.reshape(ct.load(qh, (0, 0, 0), shape=(TP, GP, D), padding_mode=ZERO), (M, D))
+    posv = ct.load(pos, (0,), shape=(TP,), padding_mode=ZERO)
+    rows = ct.arange(TP, dtype=ct.int32)
+    pmin = ct.min(ct.where(rows < T, posv, _BIG))
+    L = ct.max(posv) + 1
+    qpos = ct.reshape(ct.broadcast_to(ct.reshape(posv, (TP, 1)), (TP, GP)), (M, 1))
+    n_pages = ct.cdiv(L, PS)
+    per = ct.cdiv(n_pages, S)
+    p0 = s * per
+    p1 = min(p0 + per, n_pages)
+    m_i = ct.full((M, 1), _NEG_INF, ct.float32)
+    l_i = ct.zeros((M, 1), ct.float32)
+    acc = ct.zeros((M, D), ct.float32)
+    for pi in range(p0, p1):
+        page = ct.load(bt, (pi,), shape=())
+        m_i, l_i, acc = _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i,
+                                     acc, scale2, M, D, PS, INT8)
+    op = o_part.slice(axis=2, start=h * G, stop=h * G + G)
+    ct.store(op, (s, 0, 0, 0), ct.reshape(acc, (1, TP, GP, D)))
+    mp = m_part.slice(axis=2, start=h * G, stop=h * G + G)
+    ct.store(mp, (s, 0, 0), ct.reshape(m_i, (1, TP, GP)))
+    lp = l_part.slice(axis=2, start=h * G, stop=h * G + G)
+    ct.store(lp, (s, 0, 0), ct.reshape(l_i, (1, TP, GP)))
+
+
+@ct.kernel
+def decode_combine_kernel(o_part, m_part, l_part, out, SP: ConstInt, D: ConstInt):
+    """Merge the splits of one (query row, head): out = sum_s w_s acc_s / sum_s w_s l_s."""
+    pdl_prologue()
+    t = ct.bid(0)
+    hq = ct.bid(1)
+    m = ct.reshape(ct.load(m_part, (0, t, hq), shape=(SP, 1, 1),
+                           padding_mode=ct.PaddingMode.NEG_INF), (SP, 1))
+    l = ct.reshape(ct.load(l_part, (0, t, hq), shape=(SP, 1, 1), padding_mode=ZERO), (SP, 1))
+    o = ct.reshape(ct.load(o_part, (0, t, hq, 0), shape=(SP, 1, 1, D), padding_mode=ZERO), (SP, D))
+    mx = ct.max(m, axis=0, keepdims=True)
+    mx = ct.where(mx == _NEG_INF, 0.0, mx)
+    w = ct.exp2(m - mx)
+    den = ct.sum(w * l, axis=0, keepdims=True)
+    num = ct.sum(w * o, axis=0, keepdims=True)
+    ct.store(out, (t, hq, 0), ct.reshape(ct.astype(num / den, out.dtype), (1, 1, D)))
+
+
+def decode_splits(kv_heads: int, max_pages: int) -> int:
+    """Context splits per KV head: a power of two giving ~2 blocks per SM, from shapes only."""
+    return max(1, min(next_pow2(cdiv(TARGET_BLOCKS, kv_heads)), next_pow2(max_pages), MAX_SPLITS))
+
+
+def decode_rows(T: int, group: int) -> tuple[int, int]:
+    """(TP, GP): query rows and group heads per tile, padded so TP * GP >= 16 (tensor cores)."""
+    gp = next_pow2(group)
+    tp = next_pow2(T)
+    if tp * gp < 16:
+        tp = 16 // gp
+    return tp, gp
+
+
+def attention(q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positions: torch.Tensor,
+              sm_scale: float) -> torch.Tensor:
+    """Causal paged attention with GQA for queries at ``positions`` over the cached sequence.
+
+    q: [T, heads, d] (rotated; the keys/values of these positions already written); layer: KV
+    cache layer [num_pages, kv_heads, page_size, d] (bf16/float32, or int8 + float32 scales
+    [num_pages, kv_heads, page_size]); block_table: int32 [max_pages]; positions: int32 [T] on the
+    device. Returns [T, heads, d] in q's dtype. T <= 16: split-KV decode + combine (two launches);
+    larger T: the prefill kernel (one launch).
+    """
+    T, H, D = q.shape
+    KVH, PS = layer.k.shape[1], layer.page_size
+    if (not is_pow2(D) or D < 16 or not is_pow2(PS) or PS < 16 or H % KVH
+            or positions.dtype != torch.int32 or block_table.dtype != torch.int32):
+        return ref.attention(q, layer, block_table, positions, sm_scale)
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    int8 = layer.int8
+    ks = layer.k_scale if int8 else dummy(q.device)
+    vs = layer.v_scale if int8 else dummy(q.device)
+    scale2 = float(sm_scale) * LOG2E
+    if T <= DECODE_ROWS:
+        tp, gp = decode_rows(T, H // KVH)
+        S = decode_splits(KVH, block_table.shape[0])
+        o_part = workspace("attn_o", (S, T, H, D), torch.float32, q.device)
+        m_part = workspace("attn_m", (S, T, H), torch.float32, q.device)
+        l_part = workspace("attn_l", (S, T, H), torch.float32, q.device)
+        launch(decode_split_kernel, (KVH, S, 1),
+               (q, layer.k, layer.v, ks, vs, block_table, positions, o_part, m_part, l_part,
+                scale2, tp, gp, D, PS, int8))
+        launch(decode_combine_kernel, (T, H, 1), (o_part, m_part, l_part, out, S, D))
+        return out
+    launch(prefill_attention_kernel, (cdiv(T, PREFILL_TM), H, 1),
+           (q, layer.k, layer.v, ks, vs, block_table, positions, out, scale2, PREFILL_TM, D, PS,
+            int8))
+    return out
