@@ -268,9 +268,13 @@ class MetricsAccumulator:
         """Score one chunk (shapes as :func:`position_metrics`); returns its per-position dict
         (on the logits' device) and keeps a CPU copy."""
         m = position_metrics(ref_logits, cand_logits, next_tokens)
+        self.extend(m)
+        return m
+
+    def extend(self, m: Mapping[str, torch.Tensor]) -> None:
+        """Keep a CPU copy of per-position values computed elsewhere (same keys as position_metrics)."""
         for k in POSITION_KEYS:
             self._parts[k].append(m[k].detach().cpu())
-        return m
 
     def per_position(self) -> dict[str, torch.Tensor]:
         """All positions added so far, concatenated in order of :meth:`add` calls."""

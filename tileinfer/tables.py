@@ -70,7 +70,7 @@ def make_row(cfg, spec, info: dict, results: list[tuple[dict, dict]], *, ctx_tok
     }
 
 
-def _atomic_parquet(df: pl.DataFrame, path: Path) -> None:
+def atomic_parquet(df: pl.DataFrame, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     df.write_parquet(tmp)
@@ -81,8 +81,8 @@ def write_row(path: Path, row: dict, per_position: dict[str, torch.Tensor]) -> N
     """Write the per-position table, then the row (the row's presence marks the job done)."""
     pos = pl.DataFrame({"position": list(range(len(per_position["kl"])))}
                        | {k: v.cpu().numpy() for k, v in per_position.items()})
-    _atomic_parquet(pos, path.with_suffix(".positions.parquet"))
-    _atomic_parquet(pl.DataFrame([row]), path)
+    atomic_parquet(pos, path.with_suffix(".positions.parquet"))
+    atomic_parquet(pl.DataFrame([row]), path)
 
 
 def collect(runs_dir: Path) -> pl.DataFrame:
@@ -116,7 +116,7 @@ def print_table(df: pl.DataFrame) -> None:
 def write_summary(df: pl.DataFrame, out_dir: Path) -> None:
     """Save ``df`` as ``summary.parquet`` and ``summary.md`` in ``out_dir`` (atomically)."""
     out_dir = Path(out_dir)
-    _atomic_parquet(df, out_dir / "summary.parquet")
+    atomic_parquet(df, out_dir / "summary.parquet")
     tmp = out_dir / f".summary.md.tmp{os.getpid()}"
     tmp.write_text(to_markdown(df) + "\n")
     os.replace(tmp, out_dir / "summary.md")

@@ -1,0 +1,149 @@
+"""Drift gate: fail a kernel, backend or quantization change that moves the output distribution.
+
+    python -m tileinfer.gate model=smollm2-135m reference.source=stored            # engine vs stored BF16 reference
+    python -m tileinfer.gate backend=triton reference.backend=reference reference.quant=same
+    python -m tileinfer.gate quant=int8_both                                         # INT8 vs BF16, against the baseline
+    python -m tileinfer.gate quant=int8_both --update-baseline                       # accept the current numbers
+
+The candidate configuration is scored afresh (rows go to a new folder under runs/gate/) against its
+reference (see ``reference`` in conf/config.yaml), then checked:
+
+- kernel checks, when candidate and reference share the quant config (only the backend or the code
+  differs): mean KL, 99.9% KL and top-1 agreement against bounds fitted to the model dtype
+  (``gate.bounds``);
+- baseline checks, for every configuration: mean and 99.9% KL no more than ``gate.max_increase``
+  worse than the baseline row of the same configuration (plus ``gate.kl_floor`` so KLs near zero do
+  not flap), top-1 agreement no more than ``gate.max_top1_drop`` lower. Baselines are plain Parquet
+  tables of sweep rows; ``--update-baseline`` rewrites the matching rows, never silently.
+
+Exit codes: 0 all checks hold; 1 some check failed (the verdict table says which); 2 usage errors.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import polars as pl
+from omegaconf import DictConfig
+
+from tileinfer import job, tables
+from tileinfer.errors import UserError
+
+# Columns that identify "the same configuration" in a baseline table.
+KEY = ["model", "model_sha256", "quant", "smooth_keys", "ctx_tokens", "prompt_set", "backend", "dtype",
+       "reference", "n_scored"]
+PASS, FAIL = "PASS", "FAIL"
+_outcome: list[int] = []  # exit code decided by the gate (absent: Hydra or a usage error ended the run)
+
+
+def _check(rows: list, kind: str, prompt_set: str, metric: str, baseline, candidate: float, bound: float,
+           higher_is_better: bool = False) -> None:
+    ok = candidate >= bound if higher_is_better else candidate <= bound
+    rows.append(dict(check=kind, prompt_set=prompt_set, metric=metric, baseline=baseline, candidate=candidate,
+                     bound=bound, verdict=PASS if ok else FAIL))
+
+
+def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate: DictConfig | dict) -> pl.DataFrame:
+    """The verdict table of candidate rows against bounds and baseline rows.
+
+    Args:
+        candidate: sweep rows (tileinfer.tables.make_row), with ``reference`` and a ``kernel`` bool
+            column (True when candidate and reference share the quant config).
+        baseline: earlier rows, or None.
+        gate: ``bounds`` {dtype: {kl_mean, kl_p999, top1_agree}}, ``max_increase``, ``kl_floor``,
+            ``max_top1_drop``.
+
+    Returns:
+        One row per check: check (kernel | baseline), prompt_set, metric, baseline, candidate, bound,
+        verdict (PASS | FAIL). A missing baseline row is a FAIL of check ``baseline`` with metric
+        ``row present``: the gate cannot certify a configuration it has no record of.
+    """
+    out: list[dict] = []
+    for r in candidate.iter_rows(named=True):
+        ps = r["prompt_set"]
+        if r["kernel"]:
+            b = gate["bounds"][r["dtype"]]
+            _check(out, "kernel", ps, "kl_mean", None, r["kl_mean"], b["kl_mean"])
+            _check(out, "kernel", ps, "kl_p999", None, r["kl_p999"], b["kl_p999"])
+            _check(out, "kernel", ps, "top1_agree", None, r["top1_agree"], b["top1_agree"], higher_is_better=True)
+        base = None
+        if baseline is not None and not baseline.is_empty():
+            match = baseline.filter(pl.all_horizontal([pl.col(k) == r[k] for k in KEY if k in baseline.columns]))
+            base = match.row(0, named=True) if len(match) else None
+        if base is None:
+            out.append(dict(check="baseline", prompt_set=ps, metric="row present", baseline=None, candidate=None,
+                            bound=None, verdict=FAIL))
+            continue
+        for m in ("kl_mean", "kl_p999"):
+            _check(out, "baseline", ps, m, base[m], r[m], base[m] * (1 + gate["max_increase"]) + gate["kl_floor"])
+        _check(out, "baseline", ps, "top1_agree", base["top1_agree"], r["top1_agree"],
+               base["top1_agree"] - gate["max_top1_drop"], higher_is_better=True)
+    return pl.DataFrame(out, schema={"check": pl.String, "prompt_set": pl.String, "metric": pl.String,
+                                     "baseline": pl.Float64, "candidate": pl.Float64, "bound": pl.Float64,
+                                     "verdict": pl.String})
+
+
+def update_baseline(path: Path, candidate: pl.DataFrame) -> None:
+    """Replace the rows of ``candidate``'s configurations in the baseline table (atomically)."""
+    keep = pl.read_parquet(path) if path.exists() else None
+    if keep is not None:
+        keep = keep.join(candidate.select(KEY), on=KEY, how="anti", nulls_equal=True)
+    df = candidate if keep is None or keep.is_empty() else pl.concat([keep, candidate], how="diagonal_relaxed")
+    tables.atomic_parquet(df, path)
+
+
+def print_verdicts(v: pl.DataFrame) -> None:
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True, fmt_float="mixed",
+                   tbl_hide_column_data_types=True, tbl_width_chars=200):
+        print(v)
+
+
+def run_gate(cfg: DictConfig) -> int:
+    """Score the candidate afresh, check it, print the verdict table; return the exit code."""
+    j = job.resolve(cfg)
+    paths = job.run(cfg)
+    cand = pl.concat([pl.read_parquet(p) for p in paths], how="diagonal_relaxed").with_columns(
+        kernel=pl.lit(j.spec == j.ref_spec))
+    base_path = Path(cfg.gate.baseline)
+    if cfg.gate.update_baseline:
+        update_baseline(base_path, cand.drop("kernel"))
+        print(f"baseline updated: {base_path} ({len(cand)} rows)")
+        return 0
+    baseline = pl.read_parquet(base_path) if base_path.exists() else None
+    verdicts = evaluate(cand, baseline, cfg.gate)
+    print_verdicts(verdicts)
+    failed = verdicts.filter(pl.col("verdict") == FAIL)
+    if failed.is_empty():
+        print(f"gate: PASS ({len(verdicts)} checks)")
+        return 0
+    print(f"gate: FAIL ({len(failed)} of {len(verdicts)} checks)"
+          + ("; no baseline row: record one with --update-baseline" if (failed["metric"] == "row present").any() else ""))
+    return 1
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="gate")
+def main(cfg: DictConfig) -> None:
+    try:
+        _outcome.append(run_gate(cfg))
+    except UserError as e:
+        print(f"tileinfer.gate: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def cli() -> None:
+    """``--update-baseline`` is spelled as a flag, as users expect; Hydra sees gate.update_baseline=true.
+    Hydra's own argument errors (exit 1) become exit 2, as every usage error here."""
+    sys.argv = [("gate.update_baseline=true" if a == "--update-baseline" else a) for a in sys.argv]
+    try:
+        main()
+    except SystemExit as e:
+        if not _outcome and e.code not in (0, None):
+            sys.exit(2)
+        raise
+    sys.exit(_outcome[0] if _outcome else 2)
+
+
+if __name__ == "__main__":
+    cli()
