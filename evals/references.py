@@ -1,4 +1,7 @@
-"""Stored reference distributions: top-k log-probabilities plus the tail, in a small safetensors file.
+"""Stored reference distributions: top-k log-probabilities plus the tail, in a small file.
+
+The files (``*.topk``) are safetensors containers (tensors plus a JSON manifest in the header); the
+suffix keeps them apart from model weights.
 
 A full-vocabulary reference is too large to keep (1,024 positions x 151,936 float32 = 622 MB per
 prompt), so a recorded reference keeps, at every scored position, the k most likely tokens with

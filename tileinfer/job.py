@@ -184,7 +184,7 @@ class Job:
         """File of a stored reference recorded for this job's reference configuration."""
         c = self.cfg
         name = (f"{self.ref_backend}-{quant_label(self.ref_quant_name, self.ref_spec)}-{prompt_set}{i}"
-                f"-ctx{self.ctx_tokens}-n{c.eval.n_score}.safetensors")
+                f"-ctx{self.ctx_tokens}-n{c.eval.n_score}.topk")
         return Path(c.reference.dir) / c.model.name / name
 
     def row_path(self, prompt_set: str) -> Path:
