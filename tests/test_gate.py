@@ -1,0 +1,119 @@
+"""The drift gate: planted kernel faults fail it, a harmless change passes, exit codes and verdicts."""
+
+import subprocess
+import sys
+
+import polars as pl
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from evals.references import TopKReference
+from tests import faults
+from tileinfer import drift, gate
+from tileinfer.checkpoint import load_checkpoint
+from tileinfer.models import Transformer
+from tileinfer.runner import ModelRunner
+
+GATE = OmegaConf.load("conf/gate.yaml").gate
+STORED = "evals/references/smollm2-135m/reference-bf16-nosmooth-{}0-ctx1024-n128.topk"
+SETS = ("edit", "explain")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    ck = load_checkpoint(smollm2_gguf)
+    return Transformer.from_state_dict(ck.config, ck.state_dict)
+
+
+def kernel_verdicts(model, ops, refs, kv_cache="bf16"):
+    """Kernel checks of ``ops`` against one reference per prompt set; returns the verdict rows."""
+    out = []
+    for name, ref in refs.items():
+        runner = ModelRunner(model, backend=ops, kv_int8=kv_cache == "int8", max_seq_len=1152)
+        stats, _ = drift.score(runner, ref, decode_steps=0)
+        out += gate.kernel_checks(dict(stats, prompt_set=name, dtype="bfloat16", kv_cache=kv_cache), GATE)
+    return out
+
+
+def failed(verdicts):
+    return [(v["prompt_set"], v["metric"]) for v in verdicts if v["verdict"] == gate.FAIL]
+
+
+@pytest.fixture(scope="module")
+def stored():
+    return {s: TopKReference.load(STORED.format(s)) for s in SETS}
+
+
+@pytest.fixture(scope="module")
+def int8_kv_refs(smollm2, stored):
+    """Live references of the INT8-KV configuration on the stored streams (the scale fault needs them)."""
+    runner = ModelRunner(smollm2, kv_int8=True, max_seq_len=1152)
+    return {s: drift.reference_logits(runner, drift.Stream(tuple(int(t) for t in r.tokens), r.prompt_len))
+            for s, r in stored.items()}
+
+
+def test_reference_backend_passes_against_its_stored_reference(smollm2, stored):
+    assert failed(kernel_verdicts(smollm2, "reference", stored)) == []
+
+
+def test_harmless_reordering_of_sums_passes(smollm2, stored):
+    assert failed(kernel_verdicts(smollm2, faults.reordered_linear_sum(), stored)) == []
+
+
+@pytest.mark.parametrize("fault", ["rope_key_off_by_one", "bf16_gemm_accumulator", "dropped_last_page"])
+def test_planted_faults_fail_the_gate(smollm2, stored, fault):
+    assert failed(kernel_verdicts(smollm2, getattr(faults, fault)(), stored))
+
+
+def test_wrong_kv_scale_on_one_head_fails_the_gate(smollm2, int8_kv_refs):
+    # 8% on one KV head of three: the smallest value-scale fault caught with the INT8-cache bounds
+    assert failed(kernel_verdicts(smollm2, faults.wrong_value_scale(1.08), int8_kv_refs, kv_cache="int8"))
+    assert not failed(kernel_verdicts(smollm2, faults.wrong_value_scale(1.0), int8_kv_refs, kv_cache="int8"))
+
+
+def row(**kw):
+    base = dict(model="m", model_sha256="s", quant="int8_both", smooth_keys=True, ctx_tokens=1024, prompt_set="edit",
+                backend="reference", dtype="bfloat16", kv_cache="int8", reference="stored:reference/bf16-nosmooth",
+                n_scored=128, kl_mean=3.8e-3, kl_p999=3.7e-2, top1_agree=0.97, kernel=False)
+    return base | kw
+
+
+def test_baseline_checks_and_verdict_table():
+    baseline = pl.DataFrame([row()])
+    ok = gate.evaluate(pl.DataFrame([row(kl_mean=4.0e-3)]), baseline, GATE)
+    assert (ok["verdict"] == gate.PASS).all() and list(ok["check"]) == ["baseline"] * 3
+    worse = gate.evaluate(pl.DataFrame([row(kl_mean=5.0e-3, top1_agree=0.95)]), baseline, GATE)
+    bad = worse.filter(pl.col("verdict") == gate.FAIL)
+    assert sorted(bad["metric"]) == ["kl_mean", "top1_agree"]
+    assert bad.filter(pl.col("metric") == "kl_mean")["bound"][0] == pytest.approx(3.8e-3 * 1.1 + 5e-4)
+    missing = gate.evaluate(pl.DataFrame([row(quant="int8_kv")]), baseline, GATE)
+    assert missing["metric"].to_list() == ["row present"] and missing["verdict"][0] == gate.FAIL
+
+
+def run_gate(*args):
+    cmd = [sys.executable, "-m", "tileinfer.gate", "model=smollm2-135m", "ctx=1k", "eval.n_score=128",
+           "reference.source=stored", "speed.decode_tokens=4", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+
+
+def test_cli_exit_codes(tmp_path, smollm2_gguf):
+    runs = f"runs_dir={tmp_path}"
+    ok = run_gate("quant=bf16", runs)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "gate: PASS" in ok.stdout
+    # a baseline bound tightened below today's numbers must fail, and say what moved
+    bad = run_gate("quant=int8_both", "gate.max_increase=-0.5", runs)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "FAIL" in bad.stdout and "kl_mean" in bad.stdout
+    assert run_gate("quant=no_such_quant", runs).returncode == 2
+    assert run_gate("reference.source=nowhere", runs).returncode == 2
+
+
+def test_update_baseline_writes_only_when_asked(tmp_path, smollm2_gguf):
+    base = tmp_path / "base.parquet"
+    args = ("quant=bf16", f"runs_dir={tmp_path}", f"gate.baseline={base}")
+    first = run_gate(*args)
+    assert first.returncode == 1 and "row present" in first.stdout and not base.exists()
+    assert run_gate(*args, "--update-baseline").returncode == 0 and base.exists()
+    assert run_gate(*args).returncode == 0
