@@ -134,7 +134,6 @@ def score(runner: ModelRunner, reference, decode_steps: int) -> tuple[dict, dict
     ``decode_tok_s`` and ``decode_ms_per_tok`` (from a synchronized host clock on ``runner``'s
     device); and the per-position arrays of :func:`evals.metrics.position_metrics` [n_scored].
     """
-    reply = torch.as_tensor(reference.tokens[reference.prompt_len:])
     acc, timings = MetricsAccumulator(), []
     for i, logits in teacher_forced(runner, reference, decode_steps, timings):
         acc.extend(reference.position_metrics(i, logits))
@@ -142,8 +141,10 @@ def score(runner: ModelRunner, reference, decode_steps: int) -> tuple[dict, dict
     t = timings[0]
     out = acc.summary()
     out.update(
-        greedy_agree_len=greedy_agreement_length(per_pos["argmax_cand"], reply),
-        n_scored=len(reply),
+        # against the reference's own teacher-forced argmax, not the stream: the stream came from
+        # decode steps, whose rounding can flip a near-tie the prefill path resolves the other way
+        greedy_agree_len=greedy_agreement_length(per_pos["argmax_cand"], per_pos["argmax_ref"]),
+        n_scored=len(reference.tokens) - reference.prompt_len,
         prefill_ms=1e3 * t.prefill_s,
         prefill_tok_s=reference.prompt_len / t.prefill_s,
         decode_tok_s=t.decode_steps / t.decode_s if t.decode_steps else float("nan"),

@@ -125,6 +125,10 @@ def run_gate(cfg: DictConfig) -> int:
     paths = job.run(cfg)
     cand = pl.concat([pl.read_parquet(p) for p in paths], how="diagonal_relaxed").with_columns(
         kernel=pl.lit(j.spec == j.ref_spec))
+    if cfg.gate.baseline is None:  # kernel checks only, e.g. a new backend before any baseline exists
+        verdicts = evaluate(cand.filter(pl.col("kernel")), None, cfg.gate).filter(pl.col("check") == "kernel")
+        print_verdicts(verdicts)
+        return 1 if (verdicts["verdict"] == FAIL).any() or verdicts.is_empty() else 0
     base_path = Path(cfg.gate.baseline)
     if cfg.gate.update_baseline:
         update_baseline(base_path, cand.drop("kernel"))

@@ -193,6 +193,7 @@ class Tokenizer:
         """Write ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, chat template) and
         ``generation_config.json`` (the EOS ids) so that :meth:`from_folder` gives this tokenizer back."""
         folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(folder / "tokenizer.json"))
         cfg = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
                                  ("unk_token", self.unk_token), ("pad_token", self.pad_token),
