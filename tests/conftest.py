@@ -3,10 +3,15 @@
 import os
 
 import pytest
+import torch
 
 # Tests must never reach the Hugging Face hub; transformers reads local GGUF files only.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# Without a GPU the Triton kernels run in Triton's interpreter; the flag must be set before any
+# module defines them, so it is set here, before collection imports the test modules.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -62,7 +62,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return y if bias is None else y + bias
 
 
-def swiglu(x: torch.Tensor, w_gate_up, bias=None) -> torch.Tensor:
+def swiglu(x: torch.Tensor, w_gate_up) -> torch.Tensor:
     """SwiGLU MLP input (Shazeer, 2020): ``silu(x @ Wg.T) * (x @ Wu.T)``.
 
     x: [T, hidden]; w_gate_up: the gate and up projections stacked, [2 * inter, hidden] (or an

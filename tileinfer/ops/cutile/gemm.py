@@ -336,14 +336,12 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     return _run(x, w, bias, out, swiglu=False, logits=False)
 
 
-def swiglu(x: torch.Tensor, w_gate_up, bias=None) -> torch.Tensor:
+def swiglu(x: torch.Tensor, w_gate_up) -> torch.Tensor:
     """SwiGLU MLP input: ``silu(x @ Wg.T) * (x @ Wu.T)`` with SiLU-and-multiply in the epilogue.
 
     x: [T, hidden]; w_gate_up: [2 * inter, hidden] (gate rows first) or an Int8Weight of that
-    shape. Returns [T, inter] in x's dtype. ``bias`` must be None (no supported model has one).
+    shape. Returns [T, inter] in x's dtype.
     """
-    if bias is not None:
-        raise NotImplementedError("swiglu with a bias is not supported by the cutile backend")
     wq = w_gate_up.q if isinstance(w_gate_up, Int8Weight) else w_gate_up
     out = torch.empty(x.shape[0], wq.shape[0] // 2, dtype=x.dtype, device=x.device)
     return _run(x, w_gate_up, None, out, swiglu=True, logits=False)

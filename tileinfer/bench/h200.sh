@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU checks on the H200, in one command (see ../shared/device/README.md for the machine):
+#   GPU op tests of both backends, the ops benchmark, and sweeps of both backends against the
+#   reference backend (KL, top-1, speed) on smollm2 and random-weight Qwen3-0.6B/4B-shaped models.
+# Needs: the cuTile toolchain and the Python deps installed in /tmp/tile (device bundles), the
+# SmolLM2 GGUF in $TILEINFER_HOME, a Qwen tokenizer folder in $QWEN_TOKENIZER. Writes $OUT/h200.tar.gz.
+set -u
+export PYTHONPATH=/tmp/tile/site PATH=/tmp/tile/cu13/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+unset CUDA_HOME CUDA_PATH
+R=$OUT/h200; mkdir -p $R
+step() { local t=$1; shift; echo "== $* (limit ${t}s)"; timeout "$t" "$@" > "$R/$(echo "$*" | tr -c 'a-zA-Z0-9' _ | cut -c1-60).log" 2>&1; echo "   exit $?"; }
+python -m tileinfer.pull smollm2-135m || exit 1
+step 30 python -m tileinfer.ops.cutile.warmup --jobs 16
+step 100 python -m pytest -q -m gpu tests/gpu -n 12 -p no:cacheprovider
+step 130 python -m tileinfer.bench.ops --backends triton,cutile --precompile 16 --budget 90 --out $R/bench
+S="-m backend=reference,triton,cutile quant=bf16,int8_both ctx=1k reference.backend=reference reference.quant=same eval.n_score=256 runs_dir=$R/runs"
+step 80 python -m tileinfer.sweep $S model=smollm2-135m
+step 70 python -m tileinfer.sweep $S model=qwen3-0.6b-random model.source.random.tokenizer=$QWEN_TOKENIZER
+step 130 python -m tileinfer.sweep $S model=qwen3-4b-random model.source.random.tokenizer=$QWEN_TOKENIZER
+tail -n 3 $R/*.log
+tar czf $OUT/h200.tar.gz -C $OUT h200 && rm -rf $R

@@ -1,0 +1,31 @@
+"""Triton backend: every op of ``tileinfer.ops.OPS`` as hand-written Triton kernels.
+
+Signatures and semantics are those of :mod:`tileinfer.ops.reference` (the ground truth the tests
+compare against). One module per kernel family:
+
+* :mod:`.norms` - embedding gather, RMSNorm, residual add fused with RMSNorm;
+* :mod:`.rope_kv` - q/k RMSNorm + RoPE + paged K/V write (BF16 or INT8 with per-vector scales);
+* :mod:`.gemm` - GEMV (1-16 rows) and GEMM (prefill), BF16 and INT8 weights, SwiGLU and
+  float32-logit epilogues;
+* :mod:`.paged_attention` - paged flash-attention: causal prefill, split-KV decode + combine;
+* :mod:`.sampling` - argmax and temperature/top-k/top-p sampling on the device;
+* :mod:`.aot` - compile every kernel for sm_90 without a GPU (the CI check).
+
+CUDA graphs: no op reads a device value on the host or branches on one; grid sizes depend only on
+shapes (token count, heads, the block table's length). The ops allocate their outputs and, where a
+second kernel merges partial results (split-KV decode, argmax), a small workspace with
+``torch.empty`` - which the caching allocator serves from the graph's private pool during capture.
+``sample`` draws its uniforms with ``torch.rand`` on the logits' device (a CPU generator would need
+a host-to-device copy and is not capturable).
+
+Set ``TRITON_INTERPRET=1`` before importing this package to run the kernels on the CPU.
+"""
+
+from tileinfer.ops.triton.paged_attention import attention
+from tileinfer.ops.triton.gemm import linear, lm_head, swiglu
+from tileinfer.ops.triton.norms import add_rms_norm, embedding, rms_norm
+from tileinfer.ops.triton.rope_kv import qk_norm_rope_kv_write
+from tileinfer.ops.triton.sampling import argmax, sample
+
+__all__ = ["embedding", "rms_norm", "add_rms_norm", "linear", "swiglu", "lm_head",
+           "qk_norm_rope_kv_write", "attention", "argmax", "sample"]

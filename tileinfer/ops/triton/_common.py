@@ -1,0 +1,96 @@
+"""Shared helpers of the Triton backend: interpreter detection, dtype mapping, small launch math.
+
+``INTERPRET`` is read once, when this package is imported: ``TRITON_INTERPRET=1`` must be set before
+that (Triton decides at ``@triton.jit`` time whether a kernel is compiled or interpreted). Under the
+interpreter, ``tl.dot`` on bf16 operands gives wrong results (triton 3.6), so every kernel takes its
+dot operand type as a constexpr and runs the dot in float32 when interpreting.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+       torch.int8: tl.int8, torch.int32: tl.int32, torch.int64: tl.int64}
+
+
+def tl_dtype(dt: torch.dtype):
+    """The Triton dtype of a torch dtype (the ones the engine uses)."""
+    return _TL[dt]
+
+
+def dot_dtype(dt: torch.dtype):
+    """Operand type for ``tl.dot`` given the activations' dtype.
+
+    bf16/f16 run on the tensor cores as they are; float32 activations (tests, tiny models) run in
+    float32 with ``input_precision="ieee"`` (no tf32, so 1e-5 tolerances hold); under the interpreter
+    every dot runs in float32 (its bf16 dot is wrong).
+    """
+    if INTERPRET or dt == torch.float32:
+        return tl.float32
+    return _TL[dt]
+
+
+def dot_precision(dt: torch.dtype) -> str:
+    """``input_precision`` for tl.dot: exact IEEE float32 products when the operands are float32."""
+    return "ieee" if (INTERPRET or dt == torch.float32) else "tf32"
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@triton.jit
+def i8x4_byte_to_f32(w, SHIFT: tl.constexpr):
+    """One signed byte of each int32 word of ``w``, as float32, without an I2F instruction.
+
+    ``((w >> SHIFT) & 0xFF) ^ 0x80`` is the byte plus 128 as an unsigned value u; OR-ing it into the
+    mantissa of 2^23 gives the float 2^23 + u exactly, and subtracting 2^23 + 128 leaves the signed
+    byte. Integer ops and one FADD run at full rate, where I2F runs at a quarter or less (the same
+    "magic number" trick FasterTransformer/Marlin use to dequantize INT8/INT4 weights).
+    """
+    u = ((w >> SHIFT) & 0xFF) ^ 0x80
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def rint_f32(y):
+    """Round float32 to the nearest integer, ties to even, for |y| <= 2^22.
+
+    Adding and subtracting 1.5 * 2^23 pushes the fraction out of the mantissa under IEEE
+    round-to-nearest-even (as torch.round does). Used instead of libdevice's rint, which the
+    Triton interpreter lacks.
+    """
+    return (y + 12582912.0) - 12582912.0
+
+
+# The interpreter converts float32 to bf16 by truncation (triton 3.6); the GPU rounds to nearest
+# even. Kernels convert through ``cast`` so both round the same way.
+_FIX_BF16: tl.constexpr = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _round_bf16(y):
+    """Float32 rounded (nearest, ties to even) to a value bf16 holds exactly, with integer ops."""
+    b = y.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast(y, dt: tl.constexpr):
+    """``y.to(dt)`` with round-to-nearest-even for bf16 also under the interpreter."""
+    if _FIX_BF16:
+        if dt == tl.bfloat16:
+            y = _round_bf16(y.to(tl.float32))
+    return y.to(dt)

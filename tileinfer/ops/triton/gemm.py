@@ -1,0 +1,517 @@
+"""Linear layers: a GEMV / skinny-GEMM kernel for decode and verify steps (1 to 16 rows) and GEMMs
+for prefill, for BF16 weights and weight-only INT8 (one float32 scale per output channel, applied in
+the epilogue), with bias, SwiGLU and float32-logit epilogues.
+
+* Decode (1 row) is memory-bound - each weight byte is read once per step (TileInfer.jl's M4/M8
+  lesson): ``_gemv_kernel`` streams the weight in [BLOCK_N, BLOCK_K] tiles, one float32 FMA per
+  weight into a register tile reduced once at the end; many small programs keep enough bytes in
+  flight. INT8 weights are widened without I2F (a quarter-rate instruction that would cap the
+  kernel below the roofline): sign extension or int32 words plus the 2^23 magic number.
+* Verify (2..16 rows): the same kernel with rows padded to 16 and ``tl.dot`` (below 16 rows the
+  tensor cores go unused - the Julia engine's 8-vs-16-row lesson), cp.async-pipelined.
+* Prefill: ``_gemm_tma_kernel``, a persistent GEMM fed by TMA descriptors (Triton tutorial 09), or
+  ``_gemm_kernel``, the classic pointer-based tiled GEMM (grouped order, cp.async, wgmma), per the
+  tile table. From ``INT8_DEQUANT_ROWS`` rows an INT8 weight is widened to a bf16 scratch copy
+  first (one pass) instead of being converted once per 128-row block inside the GEMM.
+
+SwiGLU: the gate and up outputs of the same columns meet in one program and ``silu(gate) * up``
+happens in the epilogue, so the [T, 2 * inter] intermediate never exists. The GEMV and the pointer
+GEMM read tiles whose rows interleave gate row i and up row i; the TMA GEMM loads a gate tile and
+an up tile per k-step into two accumulators.
+
+Tile sizes come from small tables per shape class (``_gemv_config``, ``_gemm_config``,
+``SHAPE_TABLE``), not from autotuning at import time; the entries were chosen from sweeps on the
+H200 (tileinfer/bench/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from tileinfer.ops import Int8Weight
+from tileinfer.ops.triton._common import (INTERPRET, cast, cdiv, dot_dtype, dot_precision,
+                                          i8x4_byte_to_f32)
+
+GEMV_MAX_ROWS = 16
+
+# ---------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _weight_rows(pid, N, UP_OFF, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
+    """Weight row of each tile row, and the output column it feeds.
+
+    SwiGLU tiles interleave gate row c and up row c (UP_OFF = inter rows further), so the tile's
+    BLOCK_N rows give BLOCK_N // 2 output columns. Columns past N are clamped to N - 1 (loaded,
+    never stored), which keeps the weight loads unmasked.
+    """
+    r = tl.arange(0, BLOCK_N)
+    if SWIGLU:
+        col = pid * (BLOCK_N // 2) + r // 2
+        row = tl.minimum(col, N - 1) + (r % 2) * UP_OFF
+    else:
+        col = pid * BLOCK_N + r
+        row = tl.minimum(col, N - 1)
+    return row.to(tl.int64), col
+
+
+@triton.jit
+def _epilogue(y, offs_t, T, cols, N, s_ptr, b_ptr, o_ptr, stride_ot,
+              W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+              ROUND: tl.constexpr):
+    """y: float32 [rows, tile_cols] -> scale, bias, SwiGLU, store; rounding as the reference does.
+
+    The reference rounds the product to the output dtype, then scales (INT8) and rounds again, then
+    adds the bias; SwiGLU rounds gate and up before ``silu(gate) * up``. ``ROUND`` is False for
+    float32 outputs (lm_head), where nothing is rounded.
+    """
+    out_t: tl.constexpr = o_ptr.dtype.element_ty
+    if ROUND:
+        y = cast(y, out_t).to(tl.float32)
+    if W_INT8:
+        s_cols = tl.minimum(cols, N - 1)
+        if SWIGLU:
+            # interleaved rows: even tile rows are gate rows, odd are up rows
+            s_rows = s_cols + (tl.arange(0, cols.shape[0]) % 2) * N
+        else:
+            s_rows = s_cols
+        y = y * tl.load(s_ptr + s_rows)[None, :]
+        if ROUND:
+            y = cast(y, out_t).to(tl.float32)
+    if SWIGLU:
+        g, u = tl.split(tl.reshape(y, (y.shape[0], y.shape[1] // 2, 2)))
+        y = g * tl.sigmoid(g) * u
+        cols = tl.reshape(cols, (cols.shape[0] // 2, 2))
+        cols, _ = tl.split(cols)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + tl.minimum(cols, N - 1)).to(tl.float32)
+        y = y + b[None, :]
+    mask = (offs_t < T)[:, None] & (cols < N)[None, :]
+    tl.store(o_ptr + offs_t[:, None].to(tl.int64) * stride_ot + cols[None, :], cast(y, out_t), mask=mask)
+
+
+@triton.jit
+def _row_tile(w_rows, k0, K, KW: tl.constexpr, W_INT8: tl.constexpr, EVEN_K: tl.constexpr):
+    """One [BLOCK_N, KW] weight tile at column k0 (int32 words of 4 weights when W_INT8 == 2)."""
+    if W_INT8 == 2:
+        idx = k0 // 4 + tl.arange(0, KW)
+        lim = K // 4
+    else:
+        idx = k0 + tl.arange(0, KW)
+        lim = K
+    if EVEN_K:
+        return tl.load(w_rows + idx[None, :])
+    return tl.load(w_rows + idx[None, :], mask=(idx < lim)[None, :], other=0)
+
+
+@triton.jit
+def _row_fma(acc, wv, x_ptr, k0, K, KW: tl.constexpr, W_INT8: tl.constexpr):
+    """acc[n, j] += w[n, k0 + j] * x[k0 + j] in float32.
+
+    W_INT8 == 1: int8 weights sign-extended and widened with the 2^23 magic number (4 full-rate
+    instructions a weight with the FMA; I2F runs at a quarter of that). W_INT8 == 2: int32
+    words, byte i of word j is weight 4j + i, widened with ``i8x4_byte_to_f32``.
+    """
+    if W_INT8 == 2:
+        kw = k0 // 4 + tl.arange(0, KW)
+        for i in tl.static_range(4):
+            kx = kw * 4 + i
+            xi = tl.load(x_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)
+            acc += i8x4_byte_to_f32(wv, 8 * i) * xi[None, :]
+    else:
+        kk = k0 + tl.arange(0, KW)
+        xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if W_INT8 == 1:
+            # sign-extend, add into the mantissa of 2^23 + 128, subtract: exact, no I2F
+            wf = (wv.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        else:
+            wf = wv.to(tl.float32)
+        acc += wf * xv[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["T"])  # row count: masks handle any value
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, T, N, K, stride_xt, stride_wn, stride_ot, UP_OFF,
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                 EVEN_K: tl.constexpr, ROUND: tl.constexpr, DOT_T: tl.constexpr,
+                 PREC: tl.constexpr, PREFETCH: tl.constexpr):
+    """out[t, n] = sum_k x[t, k] * w[n, k] for T <= 16 rows.
+
+    BLOCK_T == 1: float32 products accumulated elementwise in a [BLOCK_N, BLOCK_K(/4)] register
+    tile (no tensor cores; one FMA per weight), reduced once at the end. Triton does not
+    software-pipeline loads that feed no dot, so PREFETCH loads the next tile before the FMAs of
+    this one (two tiles in flight per program). W_INT8 (0 bf16, 1 int8, 2 int8 read as int32 words
+    [N, K / 4]): see ``_row_fma``. BLOCK_T == 16: rows padded to 16, ``tl.dot`` (cp.async-pipelined
+    by num_stages); with INT8 the int8 weight itself, converted to bf16 in registers.
+    """
+    pid = tl.program_id(0)
+    rows, cols = _weight_rows(pid, N, UP_OFF, BLOCK_N, SWIGLU)
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    offs_t = tl.arange(0, BLOCK_T)
+    if BLOCK_T == 1:
+        KW: tl.constexpr = BLOCK_K // 4 if W_INT8 == 2 else BLOCK_K
+        acc = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
+        if PREFETCH:
+            last = ((K - 1) // BLOCK_K) * BLOCK_K
+            wv = _row_tile(w_rows, 0, K, KW, W_INT8, EVEN_K)
+            for k0 in range(0, K, BLOCK_K):
+                # the last iteration re-reads the last tile (an L1/L2 hit) instead of branching
+                nxt = _row_tile(w_rows, tl.minimum(k0 + BLOCK_K, last), K, KW, W_INT8, EVEN_K)
+                acc = _row_fma(acc, wv, x_ptr, k0, K, KW, W_INT8)
+                wv = nxt
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                wv = _row_tile(w_rows, k0, K, KW, W_INT8, EVEN_K)
+                acc = _row_fma(acc, wv, x_ptr, k0, K, KW, W_INT8)
+        y = tl.sum(acc, axis=1)[None, :]
+    else:
+        x_rows = x_ptr + offs_t[:, None] * stride_xt
+        t_ok = (offs_t < T)[:, None]
+        acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                wv = tl.load(w_rows + kk[None, :])
+            else:
+                wv = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0)
+            # int8 -> bf16 here is Triton's PRMT/HADD2 conversion, no I2F
+            xv = tl.load(x_rows + kk[None, :], mask=t_ok & (kk < K)[None, :], other=0.0)
+            acc = tl.dot(xv.to(DOT_T), tl.trans(wv.to(DOT_T)), acc, input_precision=PREC)
+        y = acc
+    _epilogue(y, offs_t, T, cols, N, s_ptr, b_ptr, o_ptr, stride_ot, W_INT8, HAS_BIAS, SWIGLU, ROUND)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om, UP_OFF,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SWIGLU: tl.constexpr, EVEN_K: tl.constexpr, ROUND: tl.constexpr,
+                 DOT_T: tl.constexpr, PREC: tl.constexpr):
+    """Tiled GEMM out[m, n] = sum_k x[m, k] * w[n, k] (Triton's matmul tutorial: grouped order).
+
+    W_INT8: w_ptr holds int8 [N, K]; each tile is converted to the dot type in registers.
+    """
+    pid = tl.program_id(0)
+    n_cols = N
+    COLS: tl.constexpr = BLOCK_N // 2 if SWIGLU else BLOCK_N
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(n_cols, COLS)
+    # grouped ordering: GROUP_M row-blocks share each weight column-block while it is in L2
+    width = GROUP_M * grid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_x = tl.minimum(offs_m, M - 1).to(tl.int64)
+    rows, cols = _weight_rows(pid_n, N, UP_OFF, BLOCK_N, SWIGLU)
+    x_rows = x_ptr + rows_x[:, None] * stride_xm
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(x_rows + kk[None, :])
+            b = tl.load(w_rows + kk[None, :])
+        else:
+            a = tl.load(x_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            b = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0)
+        acc = tl.dot(a.to(DOT_T), tl.trans(b.to(DOT_T)), acc, input_precision=PREC)
+    _epilogue(acc, offs_m, M, cols, N, s_ptr, b_ptr, o_ptr, stride_om, W_INT8, HAS_BIAS, SWIGLU, ROUND)
+
+
+@triton.jit
+def _tile_coords(tile, grid_m, grid_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M row-blocks share each weight column-block while it is in L2."""
+    width = GROUP_M * grid_n
+    first_m = (tile // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (tile % width) % size_m, (tile % width) // size_m
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_tma_kernel(a_desc, b_desc, s_ptr, bias_ptr, o_ptr, M, N, K, stride_om, UP_OFF,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, W_INT8: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, ROUND: tl.constexpr,
+                     DOT_T: tl.constexpr, PREC: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """Persistent GEMM with TMA loads (Triton tutorial 09): NUM_SMS programs walk the output tiles.
+
+    Tiles are loaded by the bulk tensor copy engine through descriptors (out-of-range rows and
+    columns read as zeros, so no masks); with WARP_SPEC, Triton splits producer (TMA) and consumer
+    (wgmma + epilogue) warps. SwiGLU: BLOCK_N is the output width; each k-step loads the gate tile
+    and the up tile (UP_OFF rows further) and keeps two accumulators.
+    """
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    out_t: tl.constexpr = o_ptr.dtype.element_ty
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True,
+                         warp_specialize=WARP_SPEC):
+        pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
+        om = pid_m * BLOCK_M
+        on = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWIGLU:
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([om, ki * BLOCK_K]).to(DOT_T)
+            b = b_desc.load([on, ki * BLOCK_K]).to(DOT_T)
+            acc = tl.dot(a, b.T, acc, input_precision=PREC)
+            if SWIGLU:
+                bu = b_desc.load([UP_OFF + on, ki * BLOCK_K]).to(DOT_T)
+                acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
+        rows = om + tl.arange(0, BLOCK_M)
+        cols = on + tl.arange(0, BLOCK_N)
+        cc = tl.minimum(cols, N - 1)
+        y = acc
+        if ROUND:
+            y = cast(y, out_t).to(tl.float32)
+        if W_INT8:
+            y = y * tl.load(s_ptr + cc)[None, :]
+            if ROUND:
+                y = cast(y, out_t).to(tl.float32)
+        if SWIGLU:
+            u = acc_u
+            if ROUND:
+                u = cast(u, out_t).to(tl.float32)
+            if W_INT8:
+                u = u * tl.load(s_ptr + UP_OFF + cc)[None, :]
+                if ROUND:
+                    u = cast(u, out_t).to(tl.float32)
+            y = y * tl.sigmoid(y) * u
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + cc).to(tl.float32)[None, :]
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(o_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], cast(y, out_t), mask=mask)
+
+
+# ---------------------------------------------------------------------------- tile tables
+
+# GEMV, one row: (BLOCK_N, BLOCK_K, num_warps, prefetch 1|2[, int8 mode 1|2]). Small BLOCK_N gives
+# many programs (a 2560-row weight must still spread over 132 SMs); BLOCK_K sets the bytes each
+# program loads at once. H200 sweep (NOTES.md): 4-row tiles win up to ~4k rows, 8-row tiles above;
+# prefetching the next tile in registers did not help (occupancy already hides the latency).
+GEMV1_BF16 = {"small": (4, 1024, 4, 1), "large": (8, 512, 4, 1)}
+# INT8: up to 4k rows sign-extended int8 tiles of 8 x 1024; above, int32 words, 16 x 512 (H200
+# sweep: lm_head 145.6 -> 96.6 us, gate_up 21.9 -> 17.8 us; down and o prefer the former).
+GEMV1_INT8 = {"small": (8, 1024, 4, 1, 1), "large": (16, 512, 4, 1, 2)}
+GEMV1_SMALL_ROWS = 4096
+# GEMV, 2..16 rows (tl.dot, rows padded to 16): few programs, so deep software pipelining;
+# 32-row tiles won every shape of the sweep (17-21 us geomean against 25 for 16-row tiles).
+GEMV16_BF16 = (32, 256, 4, 4)
+GEMV16_INT8 = (32, 256, 4, 4)
+# GEMM: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, kernel). kernel "ptr" is the
+# pointer-based tiled GEMM, "tma" the persistent TMA kernel, "tma_ws" the same warp-specialised.
+# BLOCK_N is the width of the output tile (for SwiGLU the kernels read twice as many weight rows).
+# ``_gemm_config`` takes the first tile of its list that still makes half a wave of programs on 132
+# SMs (a 1024 x 1024 output has 64 tiles of 128 x 128), unless SHAPE_TABLE names the shape.
+GEMM_TILES = {
+    # plain GEMMs: 128 x 256 TMA tiles won every plain shape of the H200 sweep except the 4B qkv
+    # (128 x 128 there), even where 80 tiles leave SMs idle (smaller tiles lose more per tile)
+    "bf16": [(128, 256, 64, 8, 8, 3, "tma"), (128, 128, 64, 8, 8, 4, "tma_ws"),
+             (64, 128, 64, 8, 4, 4, "ptr")],
+    # SwiGLU: two accumulators, so 128 x 128 output tiles (= 256 weight rows); 256 would spill
+    "bf16_swiglu": [(128, 128, 64, 8, 8, 4, "tma_ws"), (64, 128, 64, 8, 4, 4, "ptr")],
+    # INT8 weights converted in the kernel (M < INT8_DEQUANT_ROWS): the pointer kernel beat TMA
+    "int8": [(128, 128, 64, 8, 8, 3, "ptr"), (64, 128, 64, 8, 4, 4, "ptr")],
+    "int8_swiglu": [(128, 128, 64, 8, 8, 4, "tma"), (64, 128, 64, 8, 4, 4, "ptr")],
+}
+# From this many rows on, an INT8 weight is first widened to a bf16 scratch copy (one pass over
+# it, exact) and multiplied by the bf16 kernels, scales still in the epilogue: converting in the
+# GEMM repeats the conversion once per 128-row block and ran at 0.5-0.64x the BF16 GEMM.
+INT8_DEQUANT_ROWS = 512
+NUM_SMS = 132  # H200: the tile rule's wave size (the launch reads the device's own count)
+
+# Overrides for measuring alternatives (tileinfer.bench.ops --sweep); empty = the tables here.
+_OVERRIDE: dict[str, tuple] = {}
+
+
+# Per-shape entries measured on the H200 (tileinfer.bench.ops --sweep), keyed like the sweep:
+# GEMV (weight rows, K), GEMM (M, N out, K). Shapes not listed use the rules above.
+SHAPE_TABLE: dict[str, dict] = {
+    # Qwen3-4B qkv at 1k tokens: 128 x 128 50.1 us against 57.2 for the table's 128 x 256
+    "gemm_bf16": {(1024, 6144, 2560): (128, 128, 64, 8, 8, 4, "tma_ws")},
+}
+
+
+def _override(key: str, shape):
+    """A benchmark override (one config, or a dict keyed by shape), else the per-shape table."""
+    o = _OVERRIDE.get(key)
+    if isinstance(o, dict):
+        o = o.get(shape)
+    if o is None:
+        o = SHAPE_TABLE.get(key, {}).get(shape)
+    return o
+
+
+def _gemv_config(rows: int, int8: bool, n: int, k: int) -> tuple:
+    key = ("gemv1" if rows == 1 else "gemv16") + ("_int8" if int8 else "_bf16")
+    o = _override(key, (n, k))
+    if o is not None:
+        return o
+    if rows == 1:
+        table = GEMV1_INT8 if int8 else GEMV1_BF16
+        return table["small" if n <= GEMV1_SMALL_ROWS else "large"]
+    return GEMV16_INT8 if int8 else GEMV16_BF16
+
+
+def _gemm_config(M: int, n_out: int, int8: bool, k: int = 0, swiglu: bool = False) -> tuple:
+    """The GEMM tile for an [M, n_out] output: an override or per-shape entry, else the first tile
+    of the table that makes at least half a wave of programs (small outputs take smaller tiles)."""
+    key = "gemm_int8" if int8 else "gemm_bf16"
+    o = _override(key, (M, n_out, k))
+    if o is not None:
+        return o
+    table = GEMM_TILES[("int8" if int8 else "bf16") + ("_swiglu" if swiglu else "")]
+    for cfg in table:
+        if cdiv(M, cfg[0]) * cdiv(n_out, cfg[1]) >= NUM_SMS // 2:
+            return cfg
+    return table[-1]
+
+
+# ---------------------------------------------------------------------------- launch
+
+
+@triton.jit
+def _widen_kernel(q_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    # through float32: exact, and the interpreter has no int8 -> bf16 cast
+    tl.store(o_ptr + offs, cast(tl.load(q_ptr + offs, mask=m).to(tl.float32), o_ptr.dtype.element_ty),
+             mask=m)
+
+
+def _widen_int8(q: torch.Tensor, dtype) -> torch.Tensor:
+    """int8 [N, K] -> the same integers in ``dtype`` (exact for |q| <= 127 in bf16), one pass."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    n = q.numel()
+    assert q.is_contiguous()
+    _widen_kernel[(cdiv(n, 8192),)](q, out, n, BLOCK=8192, num_warps=8)
+    return out
+
+
+def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and row strides."""
+    return (x.stride(1) == 1 and w.stride(1) == 1 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and (x.stride(0) * x.element_size()) % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0)
+
+
+_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    if device.type == "cpu":
+        return 4  # the interpreter: a few persistent programs exercise the tile loop
+    if device.type != "cuda":
+        return NUM_SMS  # meta tensors (ahead-of-time compiles): the H200's count
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool) -> torch.Tensor:
+    """Shared launcher: x [T, K] @ w.T -> [T, N_out] (N_out = rows of w, halved for SwiGLU)."""
+    assert x.dim() == 2
+    T, K = x.shape
+    int8 = isinstance(w, Int8Weight)
+    wq = w.q if int8 else w
+    n_rows = wq.shape[0]
+    N = n_rows // 2 if swiglu else n_rows
+    out = torch.empty((T, N), dtype=out_dtype, device=x.device)
+    if T == 0 or N == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    assert wq.shape[1] == K and wq.stride(1) == 1
+    scale = w.scale if int8 else wq
+    b = bias if bias is not None else wq
+    has_bias = bias is not None and not swiglu  # the reference's swiglu takes no bias
+    if has_bias:
+        assert bias.is_contiguous()
+    round_ = out_dtype != torch.float32
+    dot_t, prec = dot_dtype(x.dtype), dot_precision(x.dtype)
+    up_off = N if swiglu else 0
+    if T <= GEMV_MAX_ROWS:
+        cfg = _gemv_config(T, int8, n_rows, K)
+        bn, bk, warps, stages = cfg[:4]
+        mode = (cfg[4] if len(cfg) > 4 else 1) if (int8 and T == 1) else int(int8)
+        prefetch = T == 1 and stages >= 2
+        if T == 1:
+            stages = 1  # the row path has no dot for Triton's pipeliner to pipeline
+        if mode == 2:
+            assert K % 4 == 0 and wq.is_contiguous(), "this INT8 GEMV reads the weight as int32 words"
+            wv, stride_wn = wq.view(torch.int32), wq.stride(0) // 4
+        else:
+            wv, stride_wn = wq, wq.stride(0)
+        cols = bn // 2 if swiglu else bn
+        _gemv_kernel[(cdiv(N, cols),)](
+            x, wv, scale, b, out, T, N, K, x.stride(0), stride_wn, out.stride(0), up_off,
+            BLOCK_T=1 if T == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, W_INT8=mode, HAS_BIAS=has_bias,
+            SWIGLU=swiglu, EVEN_K=K % bk == 0, ROUND=round_, DOT_T=dot_t, PREC=prec,
+            PREFETCH=prefetch, num_warps=warps, num_stages=stages)
+    else:
+        if int8 and T >= INT8_DEQUANT_ROWS:
+            wq = _widen_int8(wq, x.dtype)  # exact bf16 copy; the int8 epilogue still scales
+            cfg = _gemm_config(T, N, False, K, swiglu)
+        else:
+            cfg = _gemm_config(T, N, int8, K, swiglu)
+        bm, bn, bk, gm, warps, stages = cfg[:6]
+        kind = cfg[6] if len(cfg) > 6 else "ptr"
+        if swiglu and bn > 128:  # two accumulators: a wider tile spills and overflows shared memory
+            bn = 128
+        if kind != "ptr" and not _tma_ok(x, wq):
+            kind = "ptr"
+        if kind == "ptr":
+            wcols = bn * 2 if swiglu else bn  # the pointer kernel's tile holds gate and up rows
+            _gemm_kernel[(cdiv(T, bm) * cdiv(N, bn),)](
+                x, wq, scale, b, out, T, N, K, x.stride(0), wq.stride(0), out.stride(0), up_off,
+                BLOCK_M=bm, BLOCK_N=wcols, BLOCK_K=bk, GROUP_M=gm, W_INT8=int8, HAS_BIAS=has_bias,
+                SWIGLU=swiglu, EVEN_K=K % bk == 0, ROUND=round_, DOT_T=dot_t, PREC=prec,
+                num_warps=warps, num_stages=stages)
+        else:
+            a_desc = TensorDescriptor(x, [T, K], [x.stride(0), 1], [bm, bk])
+            b_desc = TensorDescriptor(wq, [n_rows, K], [wq.stride(0), 1], [bn, bk])
+            n_sms = _num_sms(x.device)
+            grid = (min(n_sms, cdiv(T, bm) * cdiv(N, bn)),)
+            _gemm_tma_kernel[grid](
+                a_desc, b_desc, scale, b, out, T, N, K, out.stride(0), up_off,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=n_sms, W_INT8=int8,
+                HAS_BIAS=has_bias, SWIGLU=swiglu, ROUND=round_, DOT_T=dot_t, PREC=prec,
+                WARP_SPEC=kind == "tma_ws" and not INTERPRET, num_warps=warps, num_stages=stages)
+    return out
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + bias``: x [T, in] -> [T, out] in x's dtype.
+
+    w: [out, in] in x's dtype, or an :class:`Int8Weight` (int8 [out, in] + float32 scale [out],
+    scale applied to the float32 product in the epilogue). T <= 16: GEMV kernel; else GEMM.
+    """
+    return _matmul(x, w, bias, x.dtype, swiglu=False)
+
+
+def swiglu(x: torch.Tensor, w_gate_up) -> torch.Tensor:
+    """SwiGLU MLP input (Shazeer, 2020): ``silu(x @ Wg.T) * (x @ Wu.T)`` with the gating fused into
+    the epilogue of the gate/up GEMM/GEMV.
+
+    x: [T, hidden]; w_gate_up: [2 * inter, hidden] (gate rows then up rows), or an
+    :class:`Int8Weight` of that shape. Returns [T, inter] in x's dtype.
+    """
+    return _matmul(x, w_gate_up, None, x.dtype, swiglu=True)
+
+
+def lm_head(x: torch.Tensor, w) -> torch.Tensor:
+    """Logits in float32: x [T, hidden] @ w.T -> [T, vocab] float32, accumulated in float32.
+
+    w: [vocab, hidden] (model dtype or float32) or an :class:`Int8Weight`. With a float32 weight and
+    bf16 activations the activations are upcast (the product then runs in float32).
+    """
+    if not isinstance(w, Int8Weight) and w.dtype != x.dtype:
+        x = x.to(w.dtype) if w.dtype == torch.float32 else x
+    return _matmul(x, w, None, torch.float32, swiglu=False)
