@@ -131,7 +131,7 @@ def model_for(loaded: Loaded, spec: QuantSpec) -> tuple[Transformer, dict]:
     key = (loaded.model_id, spec)
     if key not in _QUANTIZED:
         _QUANTIZED.clear()
-        sd, info = apply_quant(loaded.checkpoint, None, spec, loaded.tokenizer, progress=True)
+        sd, info = apply_quant(loaded.checkpoint, None, spec, loaded.tokenizer, progress=True, device=loaded.device)
         model = Transformer.from_state_dict(loaded.checkpoint.config, sd, dtype=loaded.model.dtype,
                                             device=loaded.device)
         _QUANTIZED[key] = (model, info)
