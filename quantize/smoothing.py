@@ -141,7 +141,7 @@ def _scaled(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """``t * s`` in float32, back in t's dtype (exact for power-of-two s)."""
     if t.dtype == torch.int8:
         raise UserError("key smoothing must be folded before the weights are quantized to int8")
-    return (t.float() * s).to(t.dtype)
+    return (t.float() * s.to(t.device)).to(t.dtype)
 
 
 def fold_key_scales(state_dict: dict[str, torch.Tensor], config: ModelConfig,
