@@ -463,7 +463,9 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool) -> torch.Tensor:
             cfg = _gemm_config(T, N, int8, K, swiglu)
         bm, bn, bk, gm, warps, stages = cfg[:6]
         kind = cfg[6] if len(cfg) > 6 else "ptr"
-        if swiglu and bn > 128:  # two accumulators: a wider tile spills and overflows shared memory
+        if (swiglu or out_dtype == torch.float32) and bn > 128:
+            # two accumulators, or a float32 output tile staged through shared memory for the store:
+            # a wider tile overflows the 227 KB of shared memory (seen: 272 KB for a 127-row lm_head)
             bn = 128
         if kind != "ptr" and not _tma_ok(x, wq):
             kind = "ptr"
