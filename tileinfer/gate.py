@@ -122,7 +122,7 @@ def print_verdicts(v: pl.DataFrame) -> None:
 def run_gate(cfg: DictConfig) -> int:
     """Score the candidate afresh, check it, print the verdict table; return the exit code."""
     j = job.resolve(cfg)
-    paths = job.run(cfg)
+    paths = job.run(cfg, force=True)  # a gate judges the code as it is now, never earlier rows
     cand = pl.concat([pl.read_parquet(p) for p in paths], how="diagonal_relaxed").with_columns(
         kernel=pl.lit(j.spec == j.ref_spec))
     if cfg.gate.baseline is None:  # kernel checks only, e.g. a new backend before any baseline exists

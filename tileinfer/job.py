@@ -256,11 +256,12 @@ def resolve(cfg: DictConfig) -> Job:
     return Job(cfg, loaded, spec, ref_backend, ref_spec, ctx_tokens, prompt_sets(cfg, loaded.tokenizer, ctx_tokens))
 
 
-def run(cfg: DictConfig) -> list[Path]:
-    """Compute every missing row of one job; return the paths of all its rows (done or reused)."""
+def run(cfg: DictConfig, force: bool = False) -> list[Path]:
+    """Compute every missing row of one job (every row with ``force``); return the paths of all its
+    rows (done or reused)."""
     job = resolve(cfg)
     todo = {s: job.row_path(s) for s in job.prompts}
-    missing = {s: p for s, p in todo.items() if not p.exists()}
+    missing = {s: p for s, p in todo.items() if force or not p.exists()}
     if not missing:
         print(f"already done: {', '.join(str(p) for p in todo.values())}")
         return list(todo.values())
