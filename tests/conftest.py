@@ -28,3 +28,22 @@ def qwen05_gguf():
     from tileinfer.pull import pull
 
     return pull("qwen2.5-coder-0.5b")
+
+
+_empty = torch.empty
+
+
+def _poisoned_empty(*size, **kw):
+    t = _empty(*size, **kw)
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool:
+        t.fill_(-77 if t.dtype != torch.uint8 else 77)
+    return t
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Make every torch.empty start as NaN (floats) or -77 (integers), so an output element a kernel
+    never writes fails the comparison with the reference."""
+    monkeypatch.setattr(torch, "empty", _poisoned_empty)

@@ -32,22 +32,9 @@ from tileinfer.ops import triton as TR  # noqa: E402
 from tileinfer.ops.triton import gemm, sampling  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_empty = torch.empty
-
-
-def _poisoned_empty(*size, **kw):
-    t = _empty(*size, **kw)
-    if t.is_floating_point():
-        t.fill_(float("nan"))
-    elif t.dtype != torch.bool:
-        t.fill_(-77 if t.dtype != torch.uint8 else 77)
-    return t
-
-
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    """Every torch.empty (op outputs, workspaces, KV pools) starts as NaN / garbage."""
-    monkeypatch.setattr(torch, "empty", _poisoned_empty)
+def poison(poisoned_empty):
+    """Every torch.empty (op outputs, workspaces, KV pools) starts as NaN / garbage (tests/conftest.py)."""
 
 
 @pytest.fixture(autouse=True)

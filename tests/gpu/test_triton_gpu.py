@@ -30,30 +30,9 @@ SHAPES = dict(MODELS)
 SHAPES["gqa1"] = ModelShape("gqa1", 1024, 8, 8, 128, 2048, 32000)
 SHAPES["gqa8"] = ModelShape("gqa8", 4096, 32, 4, 128, 4096, 32000)
 MODEL_NAMES = list(MODELS)
-_empty = torch.empty
-
-
-def _poisoned_empty(*size, **kw):
-    t = _empty(*size, **kw)
-    if t.is_floating_point():
-        t.fill_(float("nan"))
-    elif t.dtype != torch.bool:
-        t.fill_(-77 if t.dtype != torch.uint8 else 77)
-    return t
-
-
-@pytest.fixture(scope="module")
-def TR():
-    import tileinfer.ops.triton as m
-    from tileinfer.ops.triton._common import INTERPRET
-
-    assert not INTERPRET, "TRITON_INTERPRET is set: run the GPU tests in their own pytest process"
-    return m
-
-
 @pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    monkeypatch.setattr(torch, "empty", _poisoned_empty)
+def poison(poisoned_empty):
+    """Every torch.empty (op outputs, workspaces, KV pools) starts as NaN / garbage (tests/conftest.py)."""
 
 
 @pytest.fixture(autouse=True)
