@@ -102,7 +102,7 @@ def _fmt(df: pl.DataFrame) -> pl.DataFrame:
 def to_markdown(df: pl.DataFrame) -> str:
     with pl.Config(tbl_formatting="MARKDOWN", tbl_hide_column_data_types=True,
                    tbl_hide_dataframe_shape=True, tbl_rows=-1, tbl_cols=-1, float_precision=4,
-                   fmt_str_lengths=40):
+                   fmt_str_lengths=60, tbl_width_chars=10_000):  # never wrap cells across lines
         return str(_fmt(df))
 
 
