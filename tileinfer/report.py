@@ -153,7 +153,10 @@ def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
                  + ([r.get("kl_estimate") or "–"] if est else []))
         lines.append("| " + " | ".join(cells) + " |")
     if est:
-        notes.append("some KL values are estimates (see the KL estimate column), not exact sums over the vocabulary.")
+        notes.append("some KL values are estimates (see the KL estimate column), not exact sums over the vocabulary: "
+                     "topkK+tail is the KL of the distributions coarsened to the reference's top K tokens plus the rest, "
+                     "a lower bound of the exact KL (measured on SmolLM2 INT8 weights: mean KL 9.6% low at K=64, "
+                     "4.8% at K=256; 99.9% KL 2.7% low at K=64; tests/test_references.py).")
     return "\n".join(lines), notes
 
 

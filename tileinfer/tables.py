@@ -95,20 +95,26 @@ def collect(runs_dir: Path) -> pl.DataFrame:
 
 
 def _fmt(df: pl.DataFrame) -> pl.DataFrame:
+    """The shown columns, sorted, as text: KL in scientific notation (values span 1e-7..1), top-1
+    agreement in percent, speeds to one decimal."""
     cols = [c for c in SHOWN if c in df.columns]
-    return df.select(cols).sort([c for c in ("model", "ctx", "prompt_set", "quant") if c in cols])
+    df = df.select(cols).sort([c for c in ("model", "ctx", "prompt_set", "quant") if c in cols])
+    text = {c: (lambda v: f"{v:.2e}") for c in cols if c.startswith("kl_")}
+    text |= {"top1_agree": lambda v: f"{100 * v:.2f}%", "prefill_tok_s": lambda v: f"{v:.1f}",
+             "decode_tok_s": lambda v: f"{v:.1f}"}
+    return df.with_columns(pl.col(c).map_elements(f, return_dtype=pl.String) for c, f in text.items() if c in cols)
 
 
 def to_markdown(df: pl.DataFrame) -> str:
     with pl.Config(tbl_formatting="MARKDOWN", tbl_hide_column_data_types=True,
-                   tbl_hide_dataframe_shape=True, tbl_rows=-1, tbl_cols=-1, float_precision=4,
+                   tbl_hide_dataframe_shape=True, tbl_rows=-1, tbl_cols=-1,
                    fmt_str_lengths=60, tbl_width_chars=10_000):  # never wrap cells across lines
         return str(_fmt(df))
 
 
 def print_table(df: pl.DataFrame) -> None:
-    """Print the shown columns of ``df`` (float columns to 4 significant places)."""
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True, float_precision=4,
+    """Print the shown columns of ``df`` (see :func:`_fmt`)."""
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True,
                    tbl_width_chars=250, fmt_str_lengths=40):
         print(_fmt(df))
 
