@@ -47,3 +47,11 @@ def poisoned_empty(monkeypatch):
     """Make every torch.empty start as NaN (floats) or -77 (integers), so an output element a kernel
     never writes fails the comparison with the reference."""
     monkeypatch.setattr(torch, "empty", _poisoned_empty)
+
+
+@pytest.fixture
+def fresh_seed(request):
+    """Seed torch from the test's name (differs from run to run with Python's hash randomisation, so
+    inputs are fresh every run, yet all tensors of one test come from one stream)."""
+    torch.manual_seed(abs(hash(request.node.name)) % 2**31)
+

@@ -25,6 +25,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON
 
 pytest.importorskip("triton")
 
+from tests.numerics import rel  # noqa: E402
 from tileinfer.kv_cache import PagedKVCache  # noqa: E402
 from tileinfer.ops import Int8Weight  # noqa: E402
 from tileinfer.ops import reference as R  # noqa: E402
@@ -33,19 +34,8 @@ from tileinfer.ops.triton import gemm, sampling  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(autouse=True)
-def poison(poisoned_empty):
-    """Every torch.empty (op outputs, workspaces, KV pools) starts as NaN / garbage (tests/conftest.py)."""
-
-
-@pytest.fixture(autouse=True)
-def seed(request):
-    torch.manual_seed(abs(hash(request.node.name)) % 2**31)
-
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "unwritten (NaN) or non-finite output"
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+def poison_and_seed(poisoned_empty, fresh_seed):
+    """Every torch.empty starts as NaN / garbage; every test draws its own inputs (tests/conftest.py)."""
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.numerics import rel  # noqa: E402
 from tileinfer.bench import MODELS, ModelShape
 from tileinfer.kv_cache import PagedKVCache
 from tileinfer.ops import Int8Weight
@@ -31,19 +32,8 @@ SHAPES["gqa1"] = ModelShape("gqa1", 1024, 8, 8, 128, 2048, 32000)
 SHAPES["gqa8"] = ModelShape("gqa8", 4096, 32, 4, 128, 4096, 32000)
 MODEL_NAMES = list(MODELS)
 @pytest.fixture(autouse=True)
-def poison(poisoned_empty):
-    """Every torch.empty (op outputs, workspaces, KV pools) starts as NaN / garbage (tests/conftest.py)."""
-
-
-@pytest.fixture(autouse=True)
-def seed(request):
-    torch.manual_seed(abs(hash(request.node.name)) % 2**31)
-
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "unwritten (NaN) or non-finite output"
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+def poison_and_seed(poisoned_empty, fresh_seed):
+    """Every torch.empty starts as NaN / garbage; every test draws its own inputs (tests/conftest.py)."""
 
 
 def q8(w):
