@@ -31,6 +31,17 @@ SHAPES = dict(MODELS)
 SHAPES["gqa1"] = ModelShape("gqa1", 1024, 8, 8, 128, 2048, 32000)
 SHAPES["gqa8"] = ModelShape("gqa8", 4096, 32, 4, 128, 4096, 32000)
 MODEL_NAMES = list(MODELS)
+
+
+@pytest.fixture(scope="module")
+def TR():
+    import tileinfer.ops.triton as m
+    from tileinfer.ops.triton._common import INTERPRET
+
+    assert not INTERPRET, "TRITON_INTERPRET is set: run the GPU tests in their own pytest process"
+    return m
+
+
 @pytest.fixture(autouse=True)
 def poison_and_seed(poisoned_empty, fresh_seed):
     """Every torch.empty starts as NaN / garbage; every test draws its own inputs (tests/conftest.py)."""

@@ -19,10 +19,10 @@ each K/V tile is loaded once for the whole group.
   length is read from ``positions`` on the device, and chunks past it write an empty partial.
 
 INT8 cache: keys and values are int8 with one float32 scale per vector, never dequantized to a
-copy. The key scale multiplies its column of scores; the value scale weights its probability in
-P @ V, applied to the rows of the V tile as it is widened in registers (the same products as the
-reference's p * v_scale; the row sum uses the unscaled p). V is read as int32 words: an int8 tile
-as the transposed P @ V operand is read out of shared memory a byte at a time.
+copy. The key scale multiplies its column of scores; the value scale multiplies its probability
+before P @ V, as in the reference (the row sum uses the unscaled p). V is read as int32 words and
+widened in registers: an int8 tile as the transposed P @ V operand is read out of shared memory a
+byte at a time.
 
 Tiles (BLOCK_N, warps, stages) come from a small table chosen from H200 sweeps (NOTES.md); the
 decode grid depends only on static shapes, so a captured CUDA graph replays as the context grows.
@@ -105,13 +105,15 @@ def _attend_block(acc, m_i, l_i, q, n, pos_r, hi_pos, kvh, bt_ptr, k_ptr, v_ptr,
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
     if INT8:
-        # sum_n p_n * vs_n * v_nd: the value scale goes on V's rows here (the reference puts it on
-        # p; the same products), and the bf16 V tile goes through shared memory to ldmatrix.trans.
+        # sum_n (p_n * vs_n) * v_nd, as the reference and cuTile: the value scale goes on the
+        # probabilities, so P @ V rounds once to bf16 (p * vs); int8 values widen to bf16 exactly.
+        # (Scaling V's rows rounded twice; on smollm2 the KL difference was within noise.)
         if MASK:
             vs = tl.load(vs_ptr + s_off, mask=live, other=0.0)
         else:
             vs = tl.load(vs_ptr + s_off)
-        vv = cast(_unpack_i8x4(vw) * vs[:, None], DOT_T)
+        p = p * vs[None, :]
+        vv = cast(_unpack_i8x4(vw), DOT_T)
     else:
         vv = v.to(DOT_T)
     acc = tl.dot(cast(p, DOT_T), vv, acc, input_precision=PREC)
