@@ -178,7 +178,8 @@ class Job:
         model, info = model_for(self.loaded, spec)
         kv = self.cfg.kv
         return ModelRunner(model, backend=backend, kv_int8=spec.kv_cache == "int8", max_seq_len=self.max_len,
-                           page_size=int(kv.page_size), prefill_chunk=int(kv.prefill_chunk)), info
+                           page_size=int(kv.page_size), prefill_chunk=int(kv.prefill_chunk),
+                           cuda_graph=bool(self.cfg.speed.cuda_graph)), info
 
     def stored_reference_path(self, prompt_set: str, i: int) -> Path:
         """File of a stored reference recorded for this job's reference configuration."""
@@ -193,6 +194,7 @@ class Job:
         c = self.cfg
         key = dict(model=self.loaded.model_id, spec=repr(self.spec), ctx=self.ctx_tokens, n=int(c.eval.n_score),
                    set=prompt_set, backend=c.backend.name, dtype=c.dtype, decode=int(c.speed.decode_tokens),
+                   cuda_graph=bool(c.speed.cuda_graph),
                    reference=self.reference_label, ref_spec=repr(self.ref_spec), top_k=int(c.reference.top_k))
         h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
         name = f"{quant_label(c.quant.name, self.spec)}-{c.ctx.name}-{prompt_set}-{h}.parquet"
@@ -281,7 +283,7 @@ def run(cfg: DictConfig, force: bool = False) -> list[Path]:
                               weights_bytes=cand_runner.model.weight_bytes(),
                               kv_bytes=cand_runner.kv.bytes_per_position() * job.max_len,
                               wall_s=time.perf_counter() - t0)
-        row.update(reference=job.reference_label,
+        row.update(reference=job.reference_label, decode_cuda_graph=cand_runner.cuda_graph,
                    kl_estimate="exact" if isinstance(refs[0], FullReference) else f"topk{refs[0].k}+tail")
         tables.write_row(path, row, {k: torch.cat([r[1][k] for r in results]) for k in ("kl", "top1_agree", "dp")})
     return list(todo.values())

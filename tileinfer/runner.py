@@ -3,7 +3,9 @@
 A step is one forward pass over some tokens of one sequence: a prefill chunk (many tokens) or a
 decode step (one token). Long prompts are prefilled in chunks of ``prefill_chunk`` tokens so the
 activations and attention scores of a step stay bounded whatever the prompt length (chunked prefill,
-as in vLLM and Sarathi-Serve).
+as in vLLM and Sarathi-Serve). On a backend whose launch paths are capturable (``CUDA_GRAPHS`` set
+in its module), decode steps replay one captured CUDA graph, as vLLM and llama.cpp do, so decode
+speed shows the kernels rather than Python's launch overhead.
 """
 
 from __future__ import annotations
@@ -31,13 +33,17 @@ class ModelRunner:
             context); the page pool is sized for one sequence of that length.
         page_size: positions per KV page.
         prefill_chunk: most tokens per prefill step.
+        cuda_graph: replay decode steps from a captured CUDA graph when the device is CUDA and the
+            backend is capturable (``CUDA_GRAPHS = True`` in its module); ignored otherwise.
+            ``self.cuda_graph`` says whether it is in use.
 
     Raises:
         UserError: ``max_seq_len`` larger than the model's context.
     """
 
     def __init__(self, model: Transformer, backend="reference", kv_int8: bool = False,
-                 max_seq_len: int | None = None, page_size: int = 64, prefill_chunk: int = 512):
+                 max_seq_len: int | None = None, page_size: int = 64, prefill_chunk: int = 512,
+                 cuda_graph: bool = False):
         c = model.config
         self.model = model
         self.ops = get_backend(backend) if isinstance(backend, str) else backend
@@ -50,6 +56,8 @@ class ModelRunner:
         self.kv = PagedKVCache(c.num_hidden_layers, self.max_pages, page_size, c.num_key_value_heads,
                                c.head_dim, model.dtype, kv_int8, model.device)
         self.blocks = BlockManager(self.max_pages)
+        self.cuda_graph = cuda_graph and self.device.type == "cuda" and getattr(self.ops, "CUDA_GRAPHS", False)
+        self._decode_graph: DecodeGraph | None = None
 
     @property
     def device(self) -> torch.device:
@@ -118,9 +126,63 @@ class ModelRunner:
 
     def decode(self, seq: Sequence, token: int) -> torch.Tensor:
         """One decode step for ``token``; float32 logits [vocab] of the next position."""
-        return self.step(seq, torch.tensor([token]))[0]
+        if not self.cuda_graph:
+            return self.step(seq, torch.tensor([token]))[0]
+        self.check_length(seq, 1)
+        seq.reserve(1)
+        if self._decode_graph is None:
+            self._decode_graph = DecodeGraph(self, seq, token)
+        logits = self._decode_graph(seq, token)
+        seq.length += 1
+        return logits
 
     def synchronize(self) -> None:
         """Wait for queued device work (before reading a host clock)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class DecodeGraph:
+    """One decode step of a runner, captured once as a CUDA graph and replayed for any of its sequences.
+
+    The token, its position and the sequence's block table are copied into static device buffers
+    before each replay; the kernels read the context length from those buffers on the device, so one
+    graph serves every position (the split-KV grid depends only on the block table's size). Built
+    on the first decode step: one eager step on the static buffers compiles the kernels and writes
+    that step's keys and values (the replay writes the same ones again), then the capture.
+    Follows PyTorch's ``torch.cuda.graph`` recipe (warm-up on a side stream, then capture).
+
+    Raises:
+        RuntimeError: an op of the backend is not capturable (a host sync or read inside a step).
+    """
+
+    def __init__(self, runner: ModelRunner, seq: Sequence, token: int):
+        dev = runner.device
+        self.tokens = torch.zeros(1, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.block_table = torch.zeros_like(seq.block_table_tensor)
+        self._load(seq, token)
+
+        def forward() -> torch.Tensor:
+            return runner.model.forward(runner.ops, self.tokens, self.positions, runner.kv, self.block_table)
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = forward()
+
+    def _load(self, seq: Sequence, token: int) -> None:
+        self.tokens.fill_(token)
+        self.positions.fill_(seq.length)
+        self.block_table.copy_(seq.block_table_tensor)
+
+    def __call__(self, seq: Sequence, token: int) -> torch.Tensor:
+        """Replay for ``token`` at position ``seq.length``; float32 logits [vocab] (a copy: the
+        graph's output buffer is rewritten by the next replay)."""
+        self._load(seq, token)
+        self.graph.replay()
+        return self.logits[0].clone()

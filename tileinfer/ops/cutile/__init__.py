@@ -25,5 +25,9 @@ from tileinfer.ops.cutile.norms import add_rms_norm, embedding, rms_norm
 from tileinfer.ops.cutile.rope_kv import qk_norm_rope_kv_write
 from tileinfer.ops.cutile.sampling import argmax, sample
 
+# Every launch path is capturable in a CUDA graph (no allocation outside the graph pool, host sync
+# or data-dependent host branching in a step): the runner replays decode steps from one graph.
+CUDA_GRAPHS = True
+
 __all__ = ["embedding", "rms_norm", "add_rms_norm", "linear", "swiglu", "lm_head",
            "qk_norm_rope_kv_write", "attention", "argmax", "sample"]

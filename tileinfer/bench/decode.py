@@ -1,0 +1,122 @@
+"""Decode speed of whole models on the GPU, eager and from a CUDA graph: ``python -m tileinfer.bench.decode``.
+
+For random-weight models with the shapes of ``conf/model/*-random.yaml`` (decode speed does not
+depend on the values), BF16 and INT8 (weights and KV cache), each fast backend and each context
+length: a prefill fills the cache with ``ctx`` tokens, then ``steps`` decode steps are timed twice on
+the same runner, eager (one Python launch per op: ``ModelRunner.step``) and replayed from the
+runner's captured CUDA graph (``ModelRunner.decode``), rolling the sequence back in between.
+Tokens are fed from a fixed list, so no step waits on the host.
+
+The roofline of a step is the bytes it must read (every weight once, the lm_head included, the
+embedding table not; plus the KV cache of ``ctx`` positions) over the copy bandwidth measured in
+the same run (``tileinfer.bench.ops.measure_ceilings``). Prints and saves a table (Markdown and
+Parquet): ms per token, tok/s, the roofline's tok/s, the fraction of it reached, and graph / eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from omegaconf import OmegaConf
+
+from quantize import QuantSpec, apply
+from tileinfer.bench.ops import measure_ceilings, save
+from tileinfer.checkpoint.random_init import random_state_dict
+from tileinfer.config import ModelConfig
+from tileinfer.models import Transformer
+from tileinfer.runner import ModelRunner
+
+
+def bytes_per_step(runner: ModelRunner, ctx: int) -> int:
+    """Bytes one decode step at context ``ctx`` must read: weights (not the embedding table, of which
+    one row is read, unless it doubles as the lm_head) plus the cached keys and values."""
+    m = runner.model
+    embed = 0 if m.lm_head is m.embed else m.embed.numel() * m.embed.element_size()
+    return m.weight_bytes() - embed + runner.kv.bytes_per_position() * ctx
+
+
+def time_steps(runner: ModelRunner, seq, tokens: list[int], graph: bool) -> float:
+    """Seconds per decode step over ``tokens`` (after two untimed steps), eager or from the graph."""
+    start = seq.length
+
+    def one(t):
+        return runner.decode(seq, t) if graph else runner.step(seq, torch.tensor([t]))[0]
+
+    for t in tokens[:2]:
+        one(t)
+    runner.synchronize()
+    t0 = time.perf_counter()
+    for t in tokens[2:]:
+        one(t)
+    runner.synchronize()
+    dt = (time.perf_counter() - t0) / (len(tokens) - 2)
+    seq.truncate(start)
+    return dt
+
+
+def bench_model(name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int,
+                copy_GBps: float, log=print) -> list[dict]:
+    """Rows of one model (see the module docstring)."""
+    hf = OmegaConf.to_container(OmegaConf.load(f"conf/model/{name}.yaml").source.random.config)
+    config = ModelConfig.from_hf(hf)
+    sd = random_state_dict(hf, seed=0, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (max(contexts) + steps + 2,), generator=g).tolist()
+    rows = []
+    for quant in quants:
+        int8 = quant == "int8_both"
+        weights = apply(sd, config, QuantSpec("int8", "int8", smooth_keys=False))[0] if int8 else sd
+        model = Transformer.from_state_dict(config, weights, device="cuda")
+        del weights
+        for backend in backends:
+            for ctx in contexts:
+                runner = ModelRunner(model, backend, kv_int8=int8, max_seq_len=ctx + steps + 2, cuda_graph=True)
+                if not runner.cuda_graph:
+                    raise RuntimeError(f"backend {backend} is not capturable in a CUDA graph")
+                seq = runner.new_sequence()
+                runner.prefill(seq, tokens[:ctx])
+                roof = copy_GBps * 1e9 / bytes_per_step(runner, ctx)
+                dts = {mode: time_steps(runner, seq, tokens[ctx:ctx + steps + 2], mode == "graph")
+                       for mode in ("eager", "graph")}
+                for mode, dt in dts.items():
+                    rows.append(dict(model=name, quant=quant, backend=backend, ctx=ctx, mode=mode,
+                                     ms_per_tok=round(dt * 1e3, 3), tok_s=round(1 / dt, 1),
+                                     roofline_tok_s=round(roof, 1), frac_roofline=round(1 / dt / roof, 3),
+                                     graph_speedup=round(dts["eager"] / dts["graph"], 2)))
+                    log(" ".join(f"{k}={v}" for k, v in rows[-1].items()))
+                seq.release()
+                del runner
+                torch.cuda.empty_cache()
+        del model
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="qwen3-0.6b-random,qwen3-4b-random,qwen3-8b-random")
+    p.add_argument("--backends", default="triton,cutile")
+    p.add_argument("--quants", default="bf16,int8_both")
+    p.add_argument("--contexts", default="1024,8192,32768")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps per row")
+    p.add_argument("--out", default="runs/bench", help="folder for decode.md and decode.parquet")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the decode benchmark needs a CUDA GPU")
+        return 2
+    ceil = measure_ceilings("cuda")
+    print(f"copy bandwidth {ceil['copy_GBps']:.0f} GB/s")
+    header = (f"Decode on {torch.cuda.get_device_name()}; copy bandwidth measured in this run: "
+              f"{ceil['copy_GBps']:.0f} GB/s; {a.steps} timed steps per row.\n\n")
+    rows = []
+    for name in a.models.split(","):
+        rows += bench_model(name, a.backends.split(","), a.quants.split(","),
+                            [int(c) for c in a.contexts.split(",")], a.steps, ceil["copy_GBps"])
+        save(rows, a.out, "decode", header)  # after each model, so a run cut short keeps what it measured
+    print(header + open(f"{a.out}/decode.md").read().split("\n\n", 1)[1])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
