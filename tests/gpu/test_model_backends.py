@@ -56,7 +56,7 @@ def test_decode_replayed_from_cuda_graph_equals_eager_decode(checkpoint, backend
     a, b = (torch.randint(0, 151936, (n,), generator=g).tolist() for n in (150, 90))
     logits = {}
     for graph in (False, True):
-        runner = ModelRunner(model, backend, kv_int8=kv_int8, max_seq_len=256, page_size=64, cuda_graph=graph)
+        runner = ModelRunner(model, backend, kv_int8=kv_int8, max_seq_len=512, page_size=64, cuda_graph=graph)
         assert runner.cuda_graph == graph
         sa, sb = runner.new_sequence(), runner.new_sequence()
         runner.prefill(sa, a[:100])
