@@ -112,11 +112,23 @@ def _publish_modes(folder: Path) -> None:
         f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
 
 
+def _is_quantized_checkpoint(folder: Path) -> bool:
+    try:
+        return "quantization_config" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def check_out(out: str | os.PathLike, force: bool) -> None:
-    """Raise UserError if ``out`` exists, is not an empty folder, and ``force`` is not set."""
+    """Raise UserError unless ``out`` is absent, an empty folder, or (with ``force``) a quantized
+    checkpoint written earlier: ``force`` never deletes a folder of anything else."""
     out = Path(out)
-    if out.exists() and not force and not (out.is_dir() and not any(out.iterdir())):
-        raise UserError(f"{out} exists and is not empty; pass --force to replace it")
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not (out.is_dir() and _is_quantized_checkpoint(out)):
+        raise UserError(f"{out} exists and is not a quantized checkpoint; choose another --out")
+    if not force:
+        raise UserError(f"{out} holds a quantized checkpoint; pass --force to replace it")
 
 
 def write_checkpoint(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], hf_config: dict,
@@ -133,13 +145,14 @@ def write_checkpoint(out: str | os.PathLike, state_dict: dict[str, torch.Tensor]
             replaced).
         quant_config: from :func:`quantization_config`.
         tokenizer: saved with ``tokenizer.save(folder)``; None writes no tokenizer files.
-        force: replace ``out`` if it exists and is not an empty folder.
+        force: replace ``out`` if it holds a quantized checkpoint written earlier.
 
     Returns:
         ``out`` as a Path.
 
     Raises:
-        UserError: ``out`` exists, is not an empty folder, and ``force`` is not set.
+        UserError: ``out`` exists and is neither an empty folder nor (with ``force``) a quantized
+            checkpoint.
     """
     out = Path(out)
     check_out(out, force)

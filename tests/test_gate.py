@@ -114,6 +114,14 @@ def test_update_baseline_writes_only_when_asked(tmp_path, smollm2_gguf):
     base = tmp_path / "base.parquet"
     args = ("quant=bf16", f"runs_dir={tmp_path}", f"gate.baseline={base}")
     first = run_gate(*args)
-    assert first.returncode == 1 and "row present" in first.stdout and not base.exists()
+    assert first.returncode == 2 and "no baseline table" in first.stderr and not base.exists()
     assert run_gate(*args, "--update-baseline").returncode == 0 and base.exists()
     assert run_gate(*args).returncode == 0
+    # a configuration the baseline has no row of fails, and says how to record one
+    other = run_gate("quant=int8_both", f"runs_dir={tmp_path}", f"gate.baseline={base}")
+    assert other.returncode == 1 and "row present" in other.stdout
+    base.write_bytes(b"not parquet")
+    assert run_gate(*args).returncode == 2
+    # kernel checks only, but the candidate's quant config is not the reference's
+    mixed = run_gate("quant=int8_both", "gate.baseline=null", f"runs_dir={tmp_path}")
+    assert mixed.returncode == 2 and "reference.quant=same" in mixed.stderr

@@ -171,8 +171,10 @@ def test_cli_user_errors_exit_1(tiny_with_tokenizer, tmp_path):
     out = tmp_path / "busy"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    proc = cli(tiny_with_tokenizer, "--out", out)
-    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and "--force" in proc.stderr
+    for force in ((), ("--force",)):  # --force replaces an earlier checkpoint, never other files
+        proc = cli(tiny_with_tokenizer, "--out", out, *force)
+        assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+        assert "not a quantized checkpoint" in proc.stderr
     proc = cli(tmp_path / "missing", "--out", tmp_path / "o")
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
     assert (out / "keep.txt").exists() and not (tmp_path / "o").exists()

@@ -180,6 +180,19 @@ def test_kl_estimate_column_newest_duplicate_and_foreign_parquet(tmp_path):
     assert re.findall(r"^## (.*)$", md, flags=re.M) == ["smollm2-135m, ctx 1k"]  # not a "None" section
 
 
+def test_rows_of_another_scoring_window_get_their_own_section(tmp_path):
+    runs = write_runs(tmp_path, ctxs=("1k",), prompt_sets=("edit",), configs=CONFIGS[:2])
+    rng = np.random.default_rng(2)
+    for cfg in CONFIGS[:2]:
+        row, pos = fake_row(*cfg, ctx="1k", prompt_set="edit", rng=rng)
+        row["n_score"] = 64
+        tables.write_row(runs / "rows" / "n64" / f"{cfg[0]}.parquet", row, pos)
+    md = report.render(runs).read_text()
+    sections = re.findall(r"^## (.*)$", md, flags=re.M)
+    assert sorted(sections) == ["smollm2-135m, ctx 1k, n_score 64", "smollm2-135m, ctx 1k, n_score ?"]
+    assert "older row" not in md
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "tileinfer.report", *map(str, args)], capture_output=True,
                           text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)

@@ -21,6 +21,7 @@ import torch
 
 from evals.metrics import MetricsAccumulator, greedy_agreement_length
 from evals.references import FullReference
+from tileinfer.errors import UserError
 from tileinfer.generation import generate
 from tileinfer.runner import ModelRunner
 
@@ -41,20 +42,32 @@ def reference_stream(runner: ModelRunner, prompt: list[int], n_reply: int, stop_
                      cache_file: Path | None = None) -> Stream:
     """The prompt plus the runner's greedy reply of at most ``n_reply`` tokens (ending at a stop id).
 
-    With ``cache_file``, a stream saved there for the same prompt is reused, and a new one is saved
-    (atomically) for the next run.
+    With ``cache_file``, a stream saved there (by :func:`save_stream`) for the same prompt is reused.
     """
     if cache_file is not None and cache_file.is_file():
         saved = json.loads(cache_file.read_text())
         if saved["prompt"] == list(prompt) and saved["n_reply"] == n_reply:
             return Stream(tuple(saved["prompt"] + saved["reply"]), len(prompt))
     reply = generate(runner, list(prompt), n_reply, stop_ids=stop_ids, progress="reference reply").tokens
-    if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"prompt": list(prompt), "reply": reply, "n_reply": n_reply}))
-        os.replace(tmp, cache_file)
     return Stream(tuple(prompt) + tuple(reply), len(prompt))
+
+
+def save_stream(stream: Stream, n_reply: int, cache_file: Path) -> None:
+    """Save a stream atomically for :func:`reference_stream` to reuse (once its logits proved finite)."""
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+    prompt = list(stream.tokens[:stream.prompt_len])
+    tmp.write_text(json.dumps({"prompt": prompt, "reply": list(stream.reply), "n_reply": n_reply}))
+    os.replace(tmp, cache_file)
+
+
+def check_finite(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` unchanged, or UserError when any is NaN or infinite (a corrupt checkpoint or a
+    broken kernel: every metric computed from them would be meaningless)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise UserError("the model produced non-finite logits (NaN or inf): the checkpoint is corrupt "
+                        "or a kernel is broken; nothing was written")
+    return logits
 
 
 @dataclass
@@ -87,10 +100,10 @@ def teacher_forced(runner: ModelRunner, stream, decode_steps: int = 0,
         first = runner.prefill(seq, prompt, progress="prefill")
         runner.synchronize()
         prefill_s = time.perf_counter() - t0
-        yield 0, first[None]
+        yield 0, check_finite(first[None])
         # the last reply token is never an input: nothing after it is scored
         for pos, logits in runner.chunks(seq, reply[:-1], logits_from=stream.prompt_len, progress="score"):
-            yield pos - stream.prompt_len + 1, logits
+            yield pos - stream.prompt_len + 1, check_finite(logits)
         seq.truncate(stream.prompt_len)
         token = reply[0]
         runner.synchronize()

@@ -33,8 +33,8 @@ from tileinfer import job, tables
 from tileinfer.errors import UserError
 
 # Columns that identify "the same configuration" in a baseline table.
-KEY = ["model", "model_sha256", "quant", "smooth_keys", "ctx_tokens", "prompt_set", "backend", "dtype",
-       "reference", "n_scored"]
+KEY = ["model", "model_sha256", "quant", "smooth_keys", "smooth_alpha", "calibration_tokens", "ctx_tokens",
+       "prompt_set", "backend", "dtype", "reference", "n_scored"]
 PASS, FAIL = "PASS", "FAIL"
 _outcome: list[int] = []  # exit code decided by the gate (absent: Hydra or a usage error ended the run)
 
@@ -96,7 +96,8 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
             out += kernel_checks(r, gate)
         base = None
         if baseline is not None and not baseline.is_empty():
-            match = baseline.filter(pl.all_horizontal([pl.col(k) == r[k] for k in KEY if k in baseline.columns]))
+            match = baseline.filter(pl.all_horizontal([pl.col(k).eq_missing(r[k]) for k in KEY
+                                                       if k in baseline.columns]))
             base = match.row(0, named=True) if len(match) else None
         out += baseline_checks(r, base, gate)
     return pl.DataFrame(out, schema={"check": pl.String, "prompt_set": pl.String, "metric": pl.String,
@@ -119,9 +120,35 @@ def print_verdicts(v: pl.DataFrame) -> None:
         print(v)
 
 
+def read_baseline(cfg: DictConfig, kernel: bool) -> pl.DataFrame | None:
+    """The baseline table the gate compares with (None with ``gate.baseline=null`` or when it is about
+    to be written by ``--update-baseline``).
+
+    Raises:
+        UserError: kernel checks only (``gate.baseline=null``) for a candidate whose quant config
+            differs from the reference's; a baseline file that is missing or not Parquet.
+    """
+    if cfg.gate.baseline is None:
+        if not kernel:
+            raise UserError("gate.baseline=null leaves only the kernel checks, which compare a candidate "
+                            "with a reference of the same quant config: add reference.quant=same")
+        return None
+    path = Path(cfg.gate.baseline)
+    if not path.exists():
+        if cfg.gate.update_baseline:
+            return None
+        raise UserError(f"no baseline table {path}: record one with --update-baseline, "
+                        "or check kernels only with gate.baseline=null")
+    try:
+        return pl.read_parquet(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+        raise UserError(f"baseline {path} is not a readable Parquet table ({type(e).__name__})") from None
+
+
 def run_gate(cfg: DictConfig) -> int:
     """Score the candidate afresh, check it, print the verdict table; return the exit code."""
     j = job.resolve(cfg)
+    baseline = read_baseline(cfg, kernel=j.spec == j.ref_spec)  # usage errors before minutes of scoring
     paths = job.run(cfg, force=True)  # a gate judges the code as it is now, never earlier rows
     cand = pl.concat([pl.read_parquet(p) for p in paths], how="diagonal_relaxed").with_columns(
         kernel=pl.lit(j.spec == j.ref_spec))
@@ -134,7 +161,6 @@ def run_gate(cfg: DictConfig) -> int:
         update_baseline(base_path, cand.drop("kernel"))
         print(f"baseline updated: {base_path} ({len(cand)} rows)")
         return 0
-    baseline = pl.read_parquet(base_path) if base_path.exists() else None
     verdicts = evaluate(cand, baseline, cfg.gate)
     print_verdicts(verdicts)
     failed = verdicts.filter(pl.col("verdict") == FAIL)

@@ -49,6 +49,28 @@ def resolve_device(name: str, backend: str) -> torch.device:
     return torch.device(name)
 
 
+# Numeric settings: (key, type, smallest, largest); checked before anything runs.
+_SETTINGS = [("eval.n_score", int, 1, None), ("speed.decode_tokens", int, 1, None),
+             ("kv.page_size", int, 1, None), ("kv.prefill_chunk", int, 1, None),
+             ("reference.top_k", int, 1, None), ("quant.smooth_alpha", float, 0.0, 1.0),
+             ("quant.calibration_tokens", int, 1, None)]
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """Raise UserError naming the first numeric setting that is not a number in its range."""
+    for key, kind, lo, hi in _SETTINGS:
+        v = OmegaConf.select(cfg, key)
+        try:
+            ok = not isinstance(v, bool) and float(v) == kind(v)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise UserError(f"{key}={v!r}: expected {'an integer' if kind is int else 'a number'}")
+        if (lo is not None and kind(v) < lo) or (hi is not None and kind(v) > hi):
+            rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
+            raise UserError(f"{key}={v}: must be {rng}")
+
+
 def quant_spec(q: DictConfig) -> QuantSpec:
     """The effective :class:`quantize.QuantSpec` of a ``quant`` config group entry."""
     return QuantSpec(weights=q.weights, kv_cache=q.kv_cache, smooth_keys=bool(q.smooth_keys),
@@ -144,6 +166,9 @@ def prompt_sets(cfg: DictConfig, tok: Tokenizer, ctx_tokens: int) -> dict[str, l
     for name in cfg.eval.prompt_sets:
         if name in PROMPT_SETS:
             out[name] = [build_prompt(tok, name, ctx_tokens)]
+        elif not Path(name).suffix and not Path(name).exists():
+            raise UserError(f"unknown prompt set {name!r}: the built-in sets are {', '.join(PROMPT_SETS)}; "
+                            "other prompts come from a .txt or .jsonl file")
         else:
             out[Path(name).stem] = [build_text_prompt(tok, t, ctx_tokens) for t in load_text_prompts(name)]
     return out
@@ -164,6 +189,13 @@ class Job:
     @property
     def max_len(self) -> int:
         return self.ctx_tokens + max(int(self.cfg.eval.n_score), int(self.cfg.speed.decode_tokens))
+
+    @property
+    def device_label(self) -> str:
+        """``cuda``, or ``cpu`` with torch's thread count (``cpu2t``): CPU decode rounds differently
+        with another number of threads, so a greedy reply can differ."""
+        dev = self.loaded.device
+        return f"cpu{torch.get_num_threads()}t" if dev.type == "cpu" else dev.type
 
     @property
     def reference_label(self) -> str:
@@ -194,7 +226,8 @@ class Job:
         c = self.cfg
         key = dict(model=self.loaded.model_id, spec=repr(self.spec), ctx=self.ctx_tokens, n=int(c.eval.n_score),
                    set=prompt_set, backend=c.backend.name, dtype=c.dtype, decode=int(c.speed.decode_tokens),
-                   cuda_graph=bool(c.speed.cuda_graph),
+                   cuda_graph=bool(c.speed.cuda_graph), page_size=int(c.kv.page_size),
+                   prefill_chunk=int(c.kv.prefill_chunk), device=self.device_label,
                    reference=self.reference_label, ref_spec=repr(self.ref_spec), top_k=int(c.reference.top_k))
         h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
         name = f"{quant_label(c.quant.name, self.spec)}-{c.ctx.name}-{prompt_set}-{h}.parquet"
@@ -223,12 +256,13 @@ class Job:
             return _REFERENCES[key]
         stop = set(tok.eos_token_ids) | set(ck.config.eos_token_id)
         cache = (Path(c.runs_dir) / "cache" / "streams" / f"{c.model.name}-{self.loaded.model_id[:12]}"
-                 / f"{self.ref_backend}-{quant_label(self.ref_quant_name, self.ref_spec)}-{c.dtype}")
+                 / f"{self.ref_backend}-{quant_label(self.ref_quant_name, self.ref_spec)}-{c.dtype}-{self.device_label}")
         refs = []
         for i, prompt in enumerate(self.prompts[prompt_set]):
             f = cache / f"{prompt_set}{i}-ctx{self.ctx_tokens}-n{c.eval.n_score}.json"
             stream = drift.reference_stream(ref_runner, prompt, int(c.eval.n_score), stop, f)
             refs.append(drift.reference_logits(ref_runner, stream))
+            drift.save_stream(stream, int(c.eval.n_score), f)  # only now: its logits are finite
         _REFERENCES[key] = refs
         while len(_REFERENCES) > 1 and sum(
                 r.logits.numel() * 4 for rs in _REFERENCES.values() for r in rs) > _REFERENCE_BYTES:
@@ -246,6 +280,7 @@ def resolve(cfg: DictConfig) -> Job:
     Raises:
         UserError: bad device/backend, ctx too large, bad reference settings.
     """
+    check_settings(cfg)
     device = resolve_device(cfg.device, cfg.backend.name)
     ref_backend = cfg.reference.backend or cfg.backend.name
     resolve_device(cfg.device, ref_backend)
@@ -284,6 +319,9 @@ def run(cfg: DictConfig, force: bool = False) -> list[Path]:
                               kv_bytes=cand_runner.kv.bytes_per_position() * job.max_len,
                               wall_s=time.perf_counter() - t0)
         row.update(reference=job.reference_label, decode_cuda_graph=cand_runner.cuda_graph,
+                   n_score=int(cfg.eval.n_score), page_size=int(cfg.kv.page_size),
+                   prefill_chunk=int(cfg.kv.prefill_chunk),
+                   cpu_threads=torch.get_num_threads() if device.type == "cpu" else None,
                    kl_estimate="exact" if isinstance(refs[0], FullReference) else f"topk{refs[0].k}+tail")
         tables.write_row(path, row, {k: torch.cat([r[1][k] for r in results]) for k in ("kl", "top1_agree", "dp")})
     return list(todo.values())

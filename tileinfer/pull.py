@@ -56,6 +56,8 @@ def model_spec(name: str) -> dict:
     spec = yaml.safe_load(path.read_text())
     source = spec.get("source") if isinstance(spec, dict) else None
     kinds = [k for k in ("pypi", "path", "hf_repo") if isinstance(source, dict) and k in source]
+    if isinstance(source, dict) and "random" in source and not kinds:
+        raise UserError(f"{name} draws random weights when a job loads it: there is nothing to pull")
     if len(kinds) != 1:
         raise UserError(f"{path}: 'source' must have exactly one of pypi, path, hf_repo")
     return spec

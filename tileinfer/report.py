@@ -36,7 +36,8 @@ from evals.metrics import LLAMA_CPP_LABELS  # noqa: E402
 from tileinfer import tables  # noqa: E402
 from tileinfer.errors import UserError, exit_on_user_error  # noqa: E402
 
-GROUP = ["model", "ctx", "backend"]  # one report section each
+GROUP = ["model", "ctx", "backend"]  # one report section each...
+SETUP = ["n_score", "reference"]  # ...and each scoring window and reference (rows of two are not comparable)
 CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # one table row each (per prompt set)
 QUANT_ORDER = ["bf16", "int8_weights", "int8_kv", "int8_both"]
 
@@ -79,14 +80,15 @@ def load_rows(runs_dir: Path) -> pl.DataFrame:
         df = df.filter(pl.all_horizontal(pl.col(needed).is_not_null()))
     if df.is_empty() or not {*needed, *CONFIG} <= set(df.columns):
         raise UserError(f"no result rows under {runs_dir} (run python -m tileinfer.sweep first)")
-    return df
+    # rows written before these columns existed
+    return df.with_columns([pl.lit(None, pl.String).alias(c) for c in SETUP if c not in df.columns])
 
 
 def latest_rows(df: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     """The newest row of each (group, config, prompt set), sorted for display and labelled in a
     column ``config`` (:func:`config_label`), and how many older rows of the same key were dropped
     (e.g. an earlier run with another n_score)."""
-    key = [*GROUP, *CONFIG, "prompt_set"]
+    key = [*GROUP, *SETUP, *CONFIG, "prompt_set"]
     df = df.with_columns(pl.col("smooth_keys").fill_null(False))
     if "finished_at" in df.columns:
         df = df.sort("finished_at", nulls_last=False)
@@ -111,6 +113,10 @@ def config_label(quant: str, smooth_keys: bool, alpha, show_alpha: bool = False)
 def _values(df: pl.DataFrame, column: str) -> str:
     """The distinct values of ``column`` as text ("?" when the column is absent)."""
     return ", ".join(map(str, df[column].unique(maintain_order=True))) if column in df.columns else "?"
+
+
+def _or_unknown(value) -> str:
+    return "?" if value is None else str(value)  # rows written before the column existed
 
 
 def _slug(*parts) -> str:
@@ -281,9 +287,13 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
           "parentheses (above 1.00× is faster)."]
     if dropped:
         md += ["", f"Note: {dropped} older row(s) of a configuration that has a newer row were left out."]
-    for key, group in rows.group_by(GROUP, maintain_order=True):
-        model, ctx, backend = key
-        title = f"{model}, ctx {ctx}" + (f", backend {backend}" if several_backends else "")
+    several_setups = {c: rows[c].n_unique() > 1 for c in SETUP}
+    for key, group in rows.group_by([*GROUP, *SETUP], maintain_order=True):
+        model, ctx, backend, n_score, reference = key
+        title = (f"{model}, ctx {ctx}" + (f", backend {backend}" if several_backends else "")
+                 + (f", n_score {_or_unknown(n_score)}" if several_setups["n_score"] else "")
+                 + (f", reference {_or_unknown(reference)}" if several_setups["reference"] else ""))
+        slug = [model, ctx, backend] + [str(v) for c, v in zip(SETUP, (n_score, reference)) if several_setups[c]]
         md += ["", f"## {title}", "", f"Model `{model}`, ctx {ctx} ({_values(group, 'ctx_tokens')} prompt "
                f"tokens), backend `{backend}`, device {_values(group, 'device')}."]
         colors = _colors(group)
@@ -293,12 +303,12 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
             md += ["", f"### Prompt set `{prompt_set}` ({rs['n_prompts'].max()} prompt(s), {n} scored positions)",
                    "", table]
             md += [f"\nNote: {t}" for t in notes]
-        scatter = out_dir / f"scatter-{_slug(model, ctx, backend)}.png"
+        scatter = out_dir / f"scatter-{_slug(*slug)}.png"
         notes = scatter_plot(group, title, colors, scatter)
         md += ["", f"![mean KL against decode speed, {title}]({scatter.name})"]
         md += [f"\nNote: {t}" for t in notes]
         for (prompt_set,), rs in group.group_by("prompt_set", maintain_order=True):
-            fig = out_dir / f"kl_by_position-{_slug(model, ctx, backend, prompt_set)}.png"
+            fig = out_dir / f"kl_by_position-{_slug(*slug, prompt_set)}.png"
             written, notes = position_plot(rs, f"{title}, prompt set {prompt_set}", colors, fig)
             if written:
                 md += ["", f"![KL per position, {title}, prompt set {prompt_set}]({fig.name})"]

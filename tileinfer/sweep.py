@@ -13,6 +13,7 @@ the end and saves them as ``summary.parquet`` / ``summary.md`` in its log folder
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import hydra
@@ -22,7 +23,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from tileinfer import job, tables
-from tileinfer.errors import exit_on_user_error
+from tileinfer.errors import check_runs_dir, exit_on_user_error
 
 ROWS_LIST = "rows.json"  # in each job's Hydra output folder: the row files the job produced
 
@@ -55,4 +56,5 @@ class PrintSummary(Callback):
 
 
 if __name__ == "__main__":
+    check_runs_dir("tileinfer.sweep", sys.argv[1:])
     main()

@@ -295,7 +295,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, cach
         path: the ``.gguf`` file.
         dtype: dtype of every returned tensor; tensors are dequantized to float32 first, then cast.
         cache: keep/use a dequantized safetensors copy under ``$TILEINFER_HOME/dequant`` keyed by the
-            file's path, size, mtime and ``dtype``. None: only for files over ``CACHE_MIN_BYTES``.
+            file's path, size, mtime and ``dtype``; a cache modified after it was written is
+            rebuilt. None: only for files over ``CACHE_MIN_BYTES``.
         home: cache folder (default ``$TILEINFER_HOME`` or ``~/.cache/tileinfer``).
 
     Returns:
@@ -321,10 +322,12 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, cach
     cached = _cache_file(path, dtype, home) if cache else None
     if cached is not None and cached.is_file():
         try:
+            if _stamp(cached).read_text() != _stamp_text(cached):
+                raise ValueError("modified since it was written")
             with safe_open(str(cached), "pt") as f:
                 cfg = json.loads(f.metadata()["config"])
             return cfg, load_file(str(cached))
-        except Exception:  # noqa: BLE001 - a damaged cache is rebuilt, never fatal
+        except Exception:  # noqa: BLE001 - a damaged or modified cache is rebuilt, never fatal
             cached.unlink(missing_ok=True)
     header = read_header(path)
     cfg = gguf_config(header)
@@ -332,6 +335,17 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, cach
     if cached is not None:
         _write_cache(cached, sd, cfg, path)
     return cfg, sd
+
+
+def _stamp(cached: Path) -> Path:
+    return cached.with_name(cached.name + ".stamp")
+
+
+def _stamp_text(cached: Path) -> str:
+    """Size and mtime of a cache file: a write into it after it was made changes the mtime, and the
+    cache is then rebuilt rather than trusted."""
+    st = cached.stat()
+    return f"{st.st_size} {st.st_mtime_ns}"
 
 
 def _write_cache(cached: Path, sd: dict, cfg: dict, source: Path) -> None:
@@ -347,6 +361,7 @@ def _write_cache(cached: Path, sd: dict, cfg: dict, source: Path) -> None:
         save_file(sd, tmp, metadata={"config": json.dumps(cfg), "source": str(source.resolve())})
         os.chmod(tmp, 0o644)
         os.replace(tmp, cached)
+        _stamp(cached).write_text(_stamp_text(cached))
     finally:
         Path(tmp).unlink(missing_ok=True)
     dtype_suffix = cached.name.rsplit(".", 2)[-2]
@@ -360,3 +375,4 @@ def _write_cache(cached: Path, sd: dict, cfg: dict, source: Path) -> None:
             stale = False
         if stale:
             other.unlink(missing_ok=True)
+            _stamp(other).unlink(missing_ok=True)
