@@ -25,7 +25,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON
 
 pytest.importorskip("triton")
 
-from tests.numerics import rel  # noqa: E402
+from tests.numerics import filtered_probs, rel  # noqa: E402
 from tileinfer.kv_cache import PagedKVCache  # noqa: E402
 from tileinfer.ops import Int8Weight  # noqa: E402
 from tileinfer.ops import reference as R  # noqa: E402
@@ -231,18 +231,6 @@ def test_argmax_ties_lowest_id():
     assert torch.equal(TR.argmax(x), R.argmax(x))
 
 
-def _ref_probs(logits, temperature, top_k, top_p):
-    """The reference's filtered distribution (its code up to the multinomial draw)."""
-    x = logits.float() / max(temperature, 1e-6)
-    if 0 < top_k < x.shape[-1]:
-        x = x.masked_fill(x < x.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
-    if top_p < 1.0:
-        s, order = x.sort(dim=-1, descending=True)
-        drop = s.softmax(-1).cumsum(-1) - s.softmax(-1) >= top_p
-        x = torch.full_like(x, float("-inf")).scatter(-1, order, s.masked_fill(drop, float("-inf")))
-    return x.softmax(-1)
-
-
 @pytest.mark.parametrize("V,t,k,p", [(150, 1.0, 0, 1.0), (150, 0.7, 12, 0.9), (300, 1.0, 0, 0.6),
                                      (300, 1.3, 5, 1.0), (300, 0.5, 1, 1.0)])
 def test_sample_distribution(monkeypatch, V, t, k, p):
@@ -255,7 +243,7 @@ def test_sample_distribution(monkeypatch, V, t, k, p):
     x = torch.randn(1, V) * 2
     x[0, 3] = x[0, 77] = x[0].max() + 0.5  # a tie at the top
     s = TR.sample(x.expand(N, V).contiguous(), t, k, p, torch.Generator().manual_seed(3))
-    pr = _ref_probs(x, t, k, p)[0]
+    pr = filtered_probs(x, t, k, p)[0]
     assert s.dtype == torch.int64 and s.shape == (N,)
     assert (pr[s] > 0).all(), "a token outside the top-k / top-p set"
     kept = int((pr > 0).sum())

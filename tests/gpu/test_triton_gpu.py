@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.numerics import rel  # noqa: E402
+from tests.numerics import filtered_probs, rel  # noqa: E402
 from tileinfer.bench import MODELS, ModelShape
 from tileinfer.kv_cache import PagedKVCache
 from tileinfer.ops import Int8Weight
@@ -194,23 +194,12 @@ def test_argmax(TR):
         assert torch.equal(TR.argmax(x), R.argmax(x))
 
 
-def _ref_probs(x, t, k, p):
-    x = x.float() / max(t, 1e-6)
-    if 0 < k < x.shape[-1]:
-        x = x.masked_fill(x < x.topk(k, dim=-1).values[..., -1:], float("-inf"))
-    if p < 1.0:
-        s, order = x.sort(dim=-1, descending=True)
-        drop = s.softmax(-1).cumsum(-1) - s.softmax(-1) >= p
-        x = torch.full_like(x, float("-inf")).scatter(-1, order, s.masked_fill(drop, float("-inf")))
-    return x.softmax(-1)
-
-
 @pytest.mark.parametrize("t,k,p", [(0.7, 20, 0.95), (1.0, 0, 0.9), (1.0, 50, 1.0), (0.6, 0, 1.0)])
 def test_sample(TR, t, k, p):
     V, N = 151936, 8192
     x = torch.randn(1, V, device=DEV) * 2.5
     s = TR.sample(x.expand(N, V).contiguous(), t, k, p, torch.Generator(DEV).manual_seed(1))
-    pr = _ref_probs(x, t, k, p)[0]
+    pr = filtered_probs(x, t, k, p)[0]
     assert (pr[s] > 0).all()
     hist = torch.bincount(s, minlength=V).double() / N
     kept = int((pr > 0).sum())
