@@ -113,10 +113,12 @@ def _publish_modes(folder: Path) -> None:
 
 
 def _is_quantized_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a checkpoint this tool wrote (its quant_method), not another's."""
     try:
-        return "quantization_config" in json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+        qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
         return False
+    return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
 
 
 def check_out(out: str | os.PathLike, force: bool) -> None:
@@ -126,7 +128,8 @@ def check_out(out: str | os.PathLike, force: bool) -> None:
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not (out.is_dir() and _is_quantized_checkpoint(out)):
-        raise UserError(f"{out} exists and is not a quantized checkpoint; choose another --out")
+        raise UserError(f"{out} exists and is not a quantized checkpoint written by this tool; "
+                        "choose another --out")
     if not force:
         raise UserError(f"{out} holds a quantized checkpoint; pass --force to replace it")
 

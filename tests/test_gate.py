@@ -118,8 +118,12 @@ def test_update_baseline_writes_only_when_asked(tmp_path, smollm2_gguf):
     assert run_gate(*args, "--update-baseline").returncode == 0 and base.exists()
     assert run_gate(*args).returncode == 0
     # a configuration the baseline has no row of fails, and says how to record one
-    other = run_gate("quant=int8_both", f"runs_dir={tmp_path}", f"gate.baseline={base}")
-    assert other.returncode == 1 and "row present" in other.stdout
+    other = ("quant=int8_both", f"runs_dir={tmp_path}", f"gate.baseline={base}")
+    missing_row = run_gate(*other)
+    assert missing_row.returncode == 1 and "row present" in missing_row.stdout
+    # its row joins the bf16 one (smooth_alpha null there, a number here); the bf16 row stays
+    assert run_gate(*other, "--update-baseline").returncode == 0
+    assert pl.read_parquet(base)["quant"].sort().to_list() == ["bf16", "bf16", "int8_both", "int8_both"]
     base.write_bytes(b"not parquet")
     assert run_gate(*args).returncode == 2
     # kernel checks only, but the candidate's quant config is not the reference's

@@ -171,10 +171,15 @@ def test_cli_user_errors_exit_1(tiny_with_tokenizer, tmp_path):
     out = tmp_path / "busy"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    for force in ((), ("--force",)):  # --force replaces an earlier checkpoint, never other files
-        proc = cli(tiny_with_tokenizer, "--out", out, *force)
+    other = tmp_path / "gptq"  # another tool's quantized model
+    other.mkdir()
+    (other / "config.json").write_text('{"quantization_config": {"quant_method": "gptq"}}')
+    for folder, force in ((out, ()), (out, ("--force",)), (other, ("--force",))):
+        # --force replaces a checkpoint this tool wrote, never other files
+        proc = cli(tiny_with_tokenizer, "--out", folder, *force)
         assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
         assert "not a quantized checkpoint" in proc.stderr
+    assert (other / "config.json").exists()
     proc = cli(tmp_path / "missing", "--out", tmp_path / "o")
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
     assert (out / "keep.txt").exists() and not (tmp_path / "o").exists()

@@ -21,7 +21,7 @@ import torch
 
 from evals.metrics import MetricsAccumulator, greedy_agreement_length
 from evals.references import FullReference
-from tileinfer.errors import UserError
+from tileinfer.errors import NonFiniteLogits
 from tileinfer.generation import generate
 from tileinfer.runner import ModelRunner
 
@@ -45,8 +45,11 @@ def reference_stream(runner: ModelRunner, prompt: list[int], n_reply: int, stop_
     With ``cache_file``, a stream saved there (by :func:`save_stream`) for the same prompt is reused.
     """
     if cache_file is not None and cache_file.is_file():
-        saved = json.loads(cache_file.read_text())
-        if saved["prompt"] == list(prompt) and saved["n_reply"] == n_reply:
+        try:
+            saved = json.loads(cache_file.read_text())
+        except ValueError:  # damaged: generated again (and saved over it)
+            saved = {}
+        if saved.get("prompt") == list(prompt) and saved.get("n_reply") == n_reply:
             return Stream(tuple(saved["prompt"] + saved["reply"]), len(prompt))
     reply = generate(runner, list(prompt), n_reply, stop_ids=stop_ids, progress="reference reply").tokens
     return Stream(tuple(prompt) + tuple(reply), len(prompt))
@@ -62,11 +65,11 @@ def save_stream(stream: Stream, n_reply: int, cache_file: Path) -> None:
 
 
 def check_finite(logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` unchanged, or UserError when any is NaN or infinite (a corrupt checkpoint or a
+    """``logits`` unchanged, or NonFiniteLogits when any is NaN or infinite (a corrupt checkpoint or a
     broken kernel: every metric computed from them would be meaningless)."""
     if not bool(torch.isfinite(logits).all()):
-        raise UserError("the model produced non-finite logits (NaN or inf): the checkpoint is corrupt "
-                        "or a kernel is broken; nothing was written")
+        raise NonFiniteLogits("the model produced non-finite logits (NaN or inf): a corrupt checkpoint, "
+                              "a dtype that overflows, or a broken kernel; nothing was written")
     return logits
 
 

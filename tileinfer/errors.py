@@ -13,6 +13,11 @@ class UserError(Exception):
     """A mistake in the user's input; the message is one complete, readable line."""
 
 
+class NonFiniteLogits(UserError):
+    """A model produced NaN or infinite logits: a corrupt checkpoint, an overflowing dtype, or a
+    broken kernel (which the drift gate reports as a failed check)."""
+
+
 @contextmanager
 def exit_on_user_error(prog: str):
     """Turn a :class:`UserError` raised inside the block into ``prog: error: ...`` and exit code 1.
@@ -43,14 +48,14 @@ def exit_on_user_error(prog: str):
         raise
 
 
-def check_runs_dir(prog: str, argv: list[str], default: str = "runs") -> None:
+def check_runs_dir(prog: str, argv: list[str], default: str = "runs", exit_code: int = 1) -> None:
     """Exit with one line when the ``runs_dir=`` of the command line (else ``default``) cannot be
     created: Hydra makes its log folder there before any of this project's code runs, and would
     answer with a traceback."""
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("runs_dir=")]
+    given = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("runs_dir=")]
     path = Path(given[-1] if given else default)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         print(f"{prog}: error: runs_dir {path}: {e.strerror}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(exit_code)

@@ -30,7 +30,7 @@ import polars as pl
 from omegaconf import DictConfig
 
 from tileinfer import job, tables
-from tileinfer.errors import UserError
+from tileinfer.errors import NonFiniteLogits, UserError, check_runs_dir
 
 # Columns that identify "the same configuration" in a baseline table.
 KEY = ["model", "model_sha256", "quant", "smooth_keys", "smooth_alpha", "calibration_tokens", "ctx_tokens",
@@ -76,6 +76,11 @@ def baseline_checks(row: dict, base: dict | None, gate) -> list[dict]:
     return out
 
 
+def _same_config(row: dict, columns) -> pl.Expr:
+    """Baseline rows of ``row``'s configuration (``KEY`` columns equal, nulls equal to nulls)."""
+    return pl.all_horizontal([pl.col(k).eq_missing(row[k]) for k in KEY if k in columns])
+
+
 def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl.DataFrame:
     """The verdict table of candidate rows against bounds and baseline rows.
 
@@ -96,8 +101,7 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
             out += kernel_checks(r, gate)
         base = None
         if baseline is not None and not baseline.is_empty():
-            match = baseline.filter(pl.all_horizontal([pl.col(k).eq_missing(r[k]) for k in KEY
-                                                       if k in baseline.columns]))
+            match = baseline.filter(_same_config(r, baseline.columns))
             base = match.row(0, named=True) if len(match) else None
         out += baseline_checks(r, base, gate)
     return pl.DataFrame(out, schema={"check": pl.String, "prompt_set": pl.String, "metric": pl.String,
@@ -108,8 +112,9 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
 def update_baseline(path: Path, candidate: pl.DataFrame) -> None:
     """Replace the rows of ``candidate``'s configurations in the baseline table (atomically)."""
     keep = pl.read_parquet(path) if path.exists() else None
-    if keep is not None:
-        keep = keep.join(candidate.select(KEY), on=KEY, how="anti", nulls_equal=True)
+    # null-safe matching: smooth_alpha is null on bf16 rows, so the column may be typed Null
+    for r in candidate.iter_rows(named=True) if keep is not None else ():
+        keep = keep.filter(~_same_config(r, keep.columns))
     df = candidate if keep is None or keep.is_empty() else pl.concat([keep, candidate], how="diagonal_relaxed")
     tables.atomic_parquet(df, path)
 
@@ -129,6 +134,8 @@ def read_baseline(cfg: DictConfig, kernel: bool) -> pl.DataFrame | None:
             differs from the reference's; a baseline file that is missing or not Parquet.
     """
     if cfg.gate.baseline is None:
+        if cfg.gate.update_baseline:
+            raise UserError("--update-baseline needs a baseline file, but gate.baseline=null")
         if not kernel:
             raise UserError("gate.baseline=null leaves only the kernel checks, which compare a candidate "
                             "with a reference of the same quant config: add reference.quant=same")
@@ -140,9 +147,13 @@ def read_baseline(cfg: DictConfig, kernel: bool) -> pl.DataFrame | None:
         raise UserError(f"no baseline table {path}: record one with --update-baseline, "
                         "or check kernels only with gate.baseline=null")
     try:
-        return pl.read_parquet(path)
+        table = pl.read_parquet(path)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
         raise UserError(f"baseline {path} is not a readable Parquet table ({type(e).__name__})") from None
+    missing = [k for k in ("model", "quant", "prompt_set", "kl_mean") if k not in table.columns]
+    if missing:
+        raise UserError(f"baseline {path} is not a table of sweep rows (no {', '.join(missing)} column)")
+    return table
 
 
 def run_gate(cfg: DictConfig) -> int:
@@ -176,15 +187,22 @@ def run_gate(cfg: DictConfig) -> int:
 def main(cfg: DictConfig) -> None:
     try:
         _outcome.append(run_gate(cfg))
+    except NonFiniteLogits as e:  # the code under test is broken: a failed check, not a usage error
+        print(f"tileinfer.gate: FAIL: {e}", file=sys.stderr)
+        sys.exit(1)
     except UserError as e:
         print(f"tileinfer.gate: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("tileinfer.gate: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 def cli() -> None:
     """``--update-baseline`` is spelled as a flag, as users expect; Hydra sees gate.update_baseline=true.
     Hydra's own argument errors (exit 1) become exit 2, as every usage error here."""
     sys.argv = [("gate.update_baseline=true" if a == "--update-baseline" else a) for a in sys.argv]
+    check_runs_dir("tileinfer.gate", sys.argv[1:], exit_code=2, default="runs/gate")
     try:
         main()
     except SystemExit as e:

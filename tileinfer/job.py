@@ -42,6 +42,8 @@ def resolve_device(name: str, backend: str) -> torch.device:
     """``auto`` picks CUDA when present. Raises UserError for a GPU backend without a GPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise UserError(f"device={name}: expected auto, cpu or cuda")
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA GPU is visible")
     if backend != "reference" and name != "cuda":
@@ -62,7 +64,7 @@ def check_settings(cfg: DictConfig) -> None:
         v = OmegaConf.select(cfg, key)
         try:
             ok = not isinstance(v, bool) and float(v) == kind(v)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             ok = False
         if not ok:
             raise UserError(f"{key}={v!r}: expected {'an integer' if kind is int else 'a number'}")
@@ -281,6 +283,10 @@ def resolve(cfg: DictConfig) -> Job:
         UserError: bad device/backend, ctx too large, bad reference settings.
     """
     check_settings(cfg)
+    if cfg.dtype not in ("bfloat16", "float16", "float32"):
+        raise UserError(f"dtype={cfg.dtype}: expected bfloat16, float16 or float32")
+    if isinstance(cfg.eval.prompt_sets, str) or not cfg.eval.prompt_sets:
+        raise UserError("eval.prompt_sets must be a non-empty list, e.g. eval.prompt_sets=[edit,explain]")
     device = resolve_device(cfg.device, cfg.backend.name)
     ref_backend = cfg.reference.backend or cfg.backend.name
     resolve_device(cfg.device, ref_backend)
@@ -298,7 +304,7 @@ def run(cfg: DictConfig, force: bool = False) -> list[Path]:
     rows (done or reused)."""
     job = resolve(cfg)
     todo = {s: job.row_path(s) for s in job.prompts}
-    missing = {s: p for s, p in todo.items() if force or not p.exists()}
+    missing = {s: p for s, p in todo.items() if force or not tables.is_complete_row(p)}
     if not missing:
         print(f"already done: {', '.join(str(p) for p in todo.values())}")
         return list(todo.values())

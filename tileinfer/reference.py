@@ -13,13 +13,14 @@ the model checksum, backend, device, dtype, git commit and library versions.
 from __future__ import annotations
 
 import platform
+import sys
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from tileinfer import job, tables
-from tileinfer.errors import exit_on_user_error
+from tileinfer.errors import check_runs_dir, exit_on_user_error
 
 
 def record(cfg: DictConfig) -> list:
@@ -52,4 +53,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_runs_dir("tileinfer.reference", sys.argv[1:])
     main()

@@ -37,7 +37,9 @@ from tileinfer import tables  # noqa: E402
 from tileinfer.errors import UserError, exit_on_user_error  # noqa: E402
 
 GROUP = ["model", "ctx", "backend"]  # one report section each...
-SETUP = ["n_score", "reference"]  # ...and each scoring window and reference (rows of two are not comparable)
+# ...and each scoring setup: rows with another scoring window, reference or runner settings are not
+# comparable (they are named in the section title when a runs folder holds several)
+SETUP = ["n_score", "reference", "page_size", "prefill_chunk", "cpu_threads"]
 CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # one table row each (per prompt set)
 QUANT_ORDER = ["bf16", "int8_weights", "int8_kv", "int8_both"]
 
@@ -71,9 +73,7 @@ def load_rows(runs_dir: Path) -> pl.DataFrame:
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         raise UserError(f"{runs_dir} is not a folder")
-    files = sorted(p for p in runs_dir.rglob("*.parquet")
-                   if not p.name.endswith(".positions.parquet") and not p.name.startswith((".", "summary")))
-    frames = [pl.read_parquet(f).with_columns(row_file=pl.lit(str(f))) for f in files]
+    frames = tables.read_row_files(tables.row_files(runs_dir))
     df = pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
     needed = [*GROUP, "quant", "prompt_set", "kl_mean"]
     if set(needed) <= set(df.columns):
@@ -82,6 +82,7 @@ def load_rows(runs_dir: Path) -> pl.DataFrame:
         raise UserError(f"no result rows under {runs_dir} (run python -m tileinfer.sweep first)")
     # rows written before these columns existed
     return df.with_columns([pl.lit(None, pl.String).alias(c) for c in SETUP if c not in df.columns])
+
 
 
 def latest_rows(df: pl.DataFrame) -> tuple[pl.DataFrame, int]:
@@ -290,13 +291,12 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
           "parentheses (above 1.00× is faster)."]
     if dropped:
         md += ["", f"Note: {dropped} older row(s) of a configuration that has a newer row were left out."]
-    several_setups = {c: rows[c].n_unique() > 1 for c in SETUP}
-    for key, group in rows.group_by([*GROUP, *SETUP], maintain_order=True):
-        model, ctx, backend, n_score, reference = key
+    varying = [c for c in SETUP if rows[c].n_unique() > 1]
+    for key, group in rows.group_by([*GROUP, *varying], maintain_order=True):
+        model, ctx, backend, *setup = key
         title = (f"{model}, ctx {ctx}" + (f", backend {backend}" if several_backends else "")
-                 + (f", n_score {_or_unknown(n_score)}" if several_setups["n_score"] else "")
-                 + (f", reference {_or_unknown(reference)}" if several_setups["reference"] else ""))
-        slug = [model, ctx, backend] + [str(v) for c, v in zip(SETUP, (n_score, reference)) if several_setups[c]]
+                 + "".join(f", {c} {_or_unknown(v)}" for c, v in zip(varying, setup)))
+        slug = [model, ctx, backend, *map(_or_unknown, setup)]
         md += ["", f"## {title}", "", f"Model `{model}`, ctx {ctx} ({_values(group, 'ctx_tokens')} prompt "
                f"tokens), backend `{backend}`, device {_values(group, 'device')}."]
         colors = _colors(group)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -85,13 +86,38 @@ def write_row(path: Path, row: dict, per_position: dict[str, torch.Tensor]) -> N
     atomic_parquet(pl.DataFrame([row]), path)
 
 
+def is_complete_row(path: Path) -> bool:
+    """Whether ``path`` holds a finished row (a missing, empty or damaged file does not)."""
+    try:
+        return not pl.read_parquet(path).is_empty()
+    except Exception:  # noqa: BLE001 - any unreadable file is not a finished row
+        return False
+
+
+def row_files(runs_dir: Path) -> list[Path]:
+    """The row files under ``runs_dir`` (any depth): Parquet files but positions, summaries and temporaries."""
+    return sorted(p for p in Path(runs_dir).rglob("*.parquet")
+                  if not p.name.endswith(".positions.parquet") and not p.name.startswith((".", "summary")))
+
+
+def read_row_files(files) -> list[pl.DataFrame]:
+    """Each readable file as a frame with its path in a column ``row_file``; an unreadable one (damaged,
+    not Parquet) is skipped with a warning on stderr rather than hiding every other row."""
+    frames = []
+    for f in files:
+        try:
+            frames.append(pl.read_parquet(f).with_columns(row_file=pl.lit(str(f))))
+        except Exception as e:  # noqa: BLE001 - whatever is wrong with one file
+            print(f"warning: skipped {f} ({type(e).__name__})", file=sys.stderr)
+    return frames
+
+
 def collect(runs_dir: Path) -> pl.DataFrame:
     """Every row under ``runs_dir`` (any depth) as one table; empty table when there are none."""
-    files = sorted(p for p in Path(runs_dir).rglob("*.parquet")
-                   if not p.name.endswith(".positions.parquet") and not p.name.startswith((".", "summary")))
-    if not files:
+    frames = read_row_files(row_files(runs_dir))
+    if not frames:
         return pl.DataFrame()
-    return pl.concat([pl.read_parquet(f) for f in files], how="diagonal_relaxed")
+    return pl.concat(frames, how="diagonal_relaxed").drop("row_file")
 
 
 def _fmt(df: pl.DataFrame) -> pl.DataFrame:
