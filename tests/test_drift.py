@@ -1,4 +1,4 @@
-"""The scoring pass refuses non-finite logits, and a damaged cached reply is generated again."""
+"""The scoring pass refuses non-finite logits; saved reference replies are reused only when intact."""
 
 import pytest
 import torch
@@ -33,11 +33,12 @@ def test_non_finite_logits_stop_the_scoring_pass():
         drift.score(runner(poison_layer=0), ref, decode_steps=0)
 
 
-def test_a_damaged_cached_reply_is_generated_again(tmp_path):
+def test_a_saved_reply_is_reused_and_a_damaged_one_is_not(tmp_path):
     r, prompt, cache = runner(), list(range(1, 41)), tmp_path / "edit0.json"
-    first = drift.reference_stream(r, prompt, 8, stop_ids=set(), cache_file=cache)
-    assert not cache.exists(), "saved only once its logits are known to be finite"
+    assert drift.load_stream(cache, prompt, 8) is None
+    first = drift.reference_stream(r, prompt, 8, stop_ids=set())
     drift.save_stream(first, 8, cache)
-    assert drift.reference_stream(r, prompt, 8, set(), cache) == first
+    assert drift.load_stream(cache, prompt, 8) == first
+    assert drift.load_stream(cache, prompt[1:], 8) is None and drift.load_stream(cache, prompt, 9) is None
     cache.write_text('{"prompt": [1, 2')  # cut short
-    assert drift.reference_stream(r, prompt, 8, set(), cache) == first
+    assert drift.load_stream(cache, prompt, 8) is None

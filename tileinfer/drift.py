@@ -38,25 +38,26 @@ class Stream:
         return self.tokens[self.prompt_len:]
 
 
-def reference_stream(runner: ModelRunner, prompt: list[int], n_reply: int, stop_ids,
-                     cache_file: Path | None = None) -> Stream:
-    """The prompt plus the runner's greedy reply of at most ``n_reply`` tokens (ending at a stop id).
+def load_stream(cache_file: Path, prompt: list[int], n_reply: int) -> Stream | None:
+    """The stream :func:`save_stream` left in ``cache_file`` for this prompt and reply length, or None
+    (no file, another prompt, or a damaged file: the reply is then generated again)."""
+    try:
+        saved = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.get("prompt") != list(prompt) or saved.get("n_reply") != n_reply:
+        return None
+    return Stream(tuple(saved["prompt"] + saved["reply"]), len(prompt))
 
-    With ``cache_file``, a stream saved there (by :func:`save_stream`) for the same prompt is reused.
-    """
-    if cache_file is not None and cache_file.is_file():
-        try:
-            saved = json.loads(cache_file.read_text())
-        except ValueError:  # damaged: generated again (and saved over it)
-            saved = {}
-        if saved.get("prompt") == list(prompt) and saved.get("n_reply") == n_reply:
-            return Stream(tuple(saved["prompt"] + saved["reply"]), len(prompt))
+
+def reference_stream(runner: ModelRunner, prompt: list[int], n_reply: int, stop_ids) -> Stream:
+    """The prompt plus the runner's greedy reply of at most ``n_reply`` tokens (ending at a stop id)."""
     reply = generate(runner, list(prompt), n_reply, stop_ids=stop_ids, progress="reference reply").tokens
     return Stream(tuple(prompt) + tuple(reply), len(prompt))
 
 
 def save_stream(stream: Stream, n_reply: int, cache_file: Path) -> None:
-    """Save a stream atomically for :func:`reference_stream` to reuse (once its logits proved finite)."""
+    """Save a stream atomically for :func:`load_stream` (once its logits proved finite)."""
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
     prompt = list(stream.tokens[:stream.prompt_len])

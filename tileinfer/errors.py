@@ -19,8 +19,8 @@ class NonFiniteLogits(UserError):
 
 
 @contextmanager
-def exit_on_user_error(prog: str):
-    """Turn a :class:`UserError` raised inside the block into ``prog: error: ...`` and exit code 1.
+def exit_on_user_error(prog: str, code: int = 1):
+    """Turn a :class:`UserError` raised inside the block into ``prog: error: ...`` and exit ``code``.
 
     Also turns into one line: ``torch.cuda.OutOfMemoryError`` (running out of GPU memory is a sizing
     choice of the user: model, ctx), an OS error on a named file (a folder that cannot be written, a
@@ -31,7 +31,7 @@ def exit_on_user_error(prog: str):
         yield
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(code)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; finished results are kept, the same command resumes", file=sys.stderr)
         sys.exit(130)
@@ -39,12 +39,12 @@ def exit_on_user_error(prog: str):
         if e.filename is None:
             raise
         print(f"{prog}: error: {e.filename}: {e.strerror}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(code)
     except Exception as e:  # noqa: BLE001 - only the OOM case is handled, the rest re-raised
         if type(e).__name__ == "OutOfMemoryError":
             print(f"{prog}: error: out of GPU memory ({str(e).splitlines()[0]}); "
                   "try a smaller model, ctx or kv page pool", file=sys.stderr)
-            sys.exit(1)
+            sys.exit(code)
         raise
 
 

@@ -30,7 +30,7 @@ import polars as pl
 from omegaconf import DictConfig
 
 from tileinfer import job, tables
-from tileinfer.errors import NonFiniteLogits, UserError, check_runs_dir
+from tileinfer.errors import NonFiniteLogits, UserError, check_runs_dir, exit_on_user_error
 
 # Columns that identify "the same configuration" in a baseline table.
 KEY = ["model", "model_sha256", "quant", "smooth_keys", "smooth_alpha", "calibration_tokens", "ctx_tokens",
@@ -185,17 +185,12 @@ def run_gate(cfg: DictConfig) -> int:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="gate")
 def main(cfg: DictConfig) -> None:
-    try:
-        _outcome.append(run_gate(cfg))
-    except NonFiniteLogits as e:  # the code under test is broken: a failed check, not a usage error
-        print(f"tileinfer.gate: FAIL: {e}", file=sys.stderr)
-        sys.exit(1)
-    except UserError as e:
-        print(f"tileinfer.gate: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("tileinfer.gate: interrupted", file=sys.stderr)
-        sys.exit(130)
+    with exit_on_user_error("tileinfer.gate", code=2):
+        try:
+            _outcome.append(run_gate(cfg))
+        except NonFiniteLogits as e:  # the code under test is broken: a failed check, not a usage error
+            print(f"tileinfer.gate: FAIL: {e}", file=sys.stderr)
+            _outcome.append(1)
 
 
 def cli() -> None:
@@ -206,7 +201,7 @@ def cli() -> None:
     try:
         main()
     except SystemExit as e:
-        if not _outcome and e.code not in (0, None):
+        if not _outcome and e.code == 1:  # Hydra's own errors
             sys.exit(2)
         raise
     sys.exit(_outcome[0] if _outcome else 2)

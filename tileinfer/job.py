@@ -193,11 +193,15 @@ class Job:
         return self.ctx_tokens + max(int(self.cfg.eval.n_score), int(self.cfg.speed.decode_tokens))
 
     @property
+    def cpu_threads(self) -> int | None:
+        """torch's thread count on the CPU (None on CUDA): CPU decode rounds differently with another
+        number of threads, so a greedy reply can differ."""
+        return torch.get_num_threads() if self.loaded.device.type == "cpu" else None
+
+    @property
     def device_label(self) -> str:
-        """``cuda``, or ``cpu`` with torch's thread count (``cpu2t``): CPU decode rounds differently
-        with another number of threads, so a greedy reply can differ."""
-        dev = self.loaded.device
-        return f"cpu{torch.get_num_threads()}t" if dev.type == "cpu" else dev.type
+        """``cuda``, or ``cpu`` with the thread count (``cpu2t``)."""
+        return f"cpu{self.cpu_threads}t" if self.cpu_threads else self.loaded.device.type
 
     @property
     def reference_label(self) -> str:
@@ -262,9 +266,13 @@ class Job:
         refs = []
         for i, prompt in enumerate(self.prompts[prompt_set]):
             f = cache / f"{prompt_set}{i}-ctx{self.ctx_tokens}-n{c.eval.n_score}.json"
-            stream = drift.reference_stream(ref_runner, prompt, int(c.eval.n_score), stop, f)
+            stream = drift.load_stream(f, prompt, int(c.eval.n_score))
+            fresh = stream is None
+            if fresh:
+                stream = drift.reference_stream(ref_runner, prompt, int(c.eval.n_score), stop)
             refs.append(drift.reference_logits(ref_runner, stream))
-            drift.save_stream(stream, int(c.eval.n_score), f)  # only now: its logits are finite
+            if fresh:
+                drift.save_stream(stream, int(c.eval.n_score), f)  # only now: its logits are finite
         _REFERENCES[key] = refs
         while len(_REFERENCES) > 1 and sum(
                 r.logits.numel() * 4 for rs in _REFERENCES.values() for r in rs) > _REFERENCE_BYTES:
@@ -327,7 +335,7 @@ def run(cfg: DictConfig, force: bool = False) -> list[Path]:
         row.update(reference=job.reference_label, decode_cuda_graph=cand_runner.cuda_graph,
                    n_score=int(cfg.eval.n_score), page_size=int(cfg.kv.page_size),
                    prefill_chunk=int(cfg.kv.prefill_chunk),
-                   cpu_threads=torch.get_num_threads() if device.type == "cpu" else None,
+                   cpu_threads=job.cpu_threads,
                    kl_estimate="exact" if isinstance(refs[0], FullReference) else f"topk{refs[0].k}+tail")
         tables.write_row(path, row, {k: torch.cat([r[1][k] for r in results]) for k in ("kl", "top1_agree", "dp")})
     return list(todo.values())
