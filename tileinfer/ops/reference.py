@@ -126,7 +126,12 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     most scale / 2.
     """
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / 127.0
+    amax = xf.abs().amax(dim=-1)
+    # a tensor divisor: torch on CUDA turns a division by a Python scalar into a multiply by its
+    # float32 reciprocal, one ulp off the correctly rounded quotient for some values (the CPU
+    # divides); this way the scale is the correctly rounded max|x| / 127 on every device, as the
+    # kernels compute it
+    scale = amax / torch.full_like(amax, 127.0)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(xf / safe[..., None]).clamp_(-127, 127).to(torch.int8)
     return q, scale

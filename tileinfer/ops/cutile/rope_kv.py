@@ -52,10 +52,8 @@ def _quantize(x1, x2, KP):
     """Symmetric INT8 of each head vector (halves [1, KP, HALF]): int8 halves, scale [1, KP, 1]."""
     amax = ct.maximum(ct.max(ct.abs(x1), axis=2, keepdims=True),
                       ct.max(ct.abs(x2), axis=2, keepdims=True))
-    # torch on CUDA divides by a Python scalar as a multiply by its float32 reciprocal (on the CPU
-    # it divides); the GPU reference is the one compared against, so multiply. The division by
-    # the scale is an IEEE one (not the approximate), as torch's tensor / tensor.
-    scale = amax * (1.0 / 127.0)
+    # IEEE divisions (not the approximate ones), as the reference's tensor / tensor on any device
+    scale = ct.truediv(amax, 127.0, rounding_mode=ct.RoundingMode.RN)
     safe = ct.where(scale > 0.0, scale, 1.0)
     y1 = ct.truediv(x1, safe, rounding_mode=ct.RoundingMode.RN)
     y2 = ct.truediv(x2, safe, rounding_mode=ct.RoundingMode.RN)
