@@ -157,7 +157,7 @@ def bench_gemv_sweep(ops, bw):
 
 
 def bench_prefill_attn_variants(ops):
-    """Prefill attention: 64-row tiles at 2 blocks/SM (default) vs 128-row tiles, 8 worker warps."""
+    """Prefill attention: 128-row tiles with 8 worker warps (default) vs 64-row tiles at 2 blocks/SM."""
     from tileinfer.ops.cutile import paged_attention as A
 
     base_k, base_tm = A.prefill_attention_kernel, A.PREFILL_TM
@@ -166,8 +166,8 @@ def bench_prefill_attn_variants(ops):
     q = torch.randn(T, h, d, device="cuda").to(torch.bfloat16)
     pos = torch.arange(ctx - T, ctx, dtype=torch.int32, device="cuda")
     fl = 4 * d * h * float((pos.double() + 1).sum())
-    for tm, hints in ((64, None), (128, dict(occupancy=None, num_worker_warps=8)),
-                      (64, dict(occupancy=None, num_worker_warps=8))):
+    for tm, hints in ((128, None), (64, dict(occupancy=2, num_worker_warps=None)),
+                      (64, None)):
         A.PREFILL_TM = tm
         A.prefill_attention_kernel = base_k.replace_hints(**hints) if hints else base_k
         try:
