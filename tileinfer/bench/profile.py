@@ -267,10 +267,14 @@ def main(argv=None) -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.out = os.path.abspath(a.out)
-    os.makedirs(a.out, exist_ok=True)
     if a.child:
         return _child(a)
     if a.parse_only:
+        missing = [f for f in ("ncu_raw.csv", "cases.json") if not os.path.isfile(os.path.join(a.out, f))]
+        if missing:
+            print(f"--parse-only: {a.out} has no {' or '.join(missing)} (written by a profiling run)",
+                  file=sys.stderr)
+            return 2
         return write_tables(a.out, "tables rebuilt from ncu_raw.csv")
     if unknown := [m for m in a.models.split(",") if m not in MODELS]:
         print(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}", file=sys.stderr)
@@ -280,6 +284,7 @@ def main(argv=None) -> int:
         print(f"ncu: {a.ncu} is not an executable" if a.ncu else "ncu (Nsight Compute) not found on PATH, in "
               "/usr/local/cuda*/bin or /opt/nvidia/nsight-compute/*: pass --ncu PATH", file=sys.stderr)
         return 2
+    os.makedirs(a.out, exist_ok=True)
     rep, manifest = os.path.join(a.out, "profile"), os.path.join(a.out, "cases.json")
     for stale in (rep + ".ncu-rep", manifest):  # never parse an earlier run's files
         with contextlib.suppress(FileNotFoundError):
@@ -309,8 +314,12 @@ def main(argv=None) -> int:
 
 def write_tables(out: str, how: str) -> int:
     """Parse OUT/ncu_raw.csv with OUT/cases.json; write OUT/profile.md and OUT/profile.csv, print."""
-    with open(os.path.join(out, "ncu_raw.csv")) as f, open(os.path.join(out, "cases.json")) as g:
-        kernels, summary = parse(f.read(), json.load(g))
+    try:
+        with open(os.path.join(out, "ncu_raw.csv")) as f, open(os.path.join(out, "cases.json")) as g:
+            kernels, summary = parse(f.read(), json.load(g))
+    except (ValueError, OSError) as e:  # a cut-short run, files of two runs, a damaged export
+        print(f"cannot build the profile tables from {out}: {e}", file=sys.stderr)
+        return 1
     import torch
 
     from tileinfer.bench.ops import _markdown
