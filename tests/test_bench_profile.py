@@ -100,6 +100,12 @@ def test_marker_count_mismatch_raises():
         parse("==ERROR== no kernels were profiled\n", [])
 
 
+@pytest.mark.parametrize("manifest", [{}, [1, 2], None, [{"model": "a", "nbytes": "x"}]])
+def test_malformed_manifest_raises(manifest):
+    with pytest.raises(ValueError, match="not a list of"):
+        parse(raw_csv(ROWS), manifest)
+
+
 def test_case_selection():
     cases = model_cases(MODELS["qwen3-4b"])
     default = select(cases, DEFAULT_CASES)

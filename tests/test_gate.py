@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from evals.references import TopKReference
 from tests import faults
 from tileinfer import drift, gate
+from tileinfer.errors import UserError
 from tileinfer.checkpoint import load_checkpoint
 from tileinfer.models import Transformer
 from tileinfer.runner import ModelRunner
@@ -108,6 +109,19 @@ def test_cli_exit_codes(tmp_path, smollm2_gguf):
     assert "FAIL" in bad.stdout and "kl_mean" in bad.stdout
     assert run_gate("quant=no_such_quant", runs).returncode == 2
     assert run_gate("reference.source=nowhere", runs).returncode == 2
+    bad_bound = run_gate("gate.bounds.bfloat16.kl_mean=abc", runs)
+    assert bad_bound.returncode == 2 and "Traceback" not in bad_bound.stderr, bad_bound.stderr
+
+
+@pytest.mark.parametrize("key,value", [("bounds.bfloat16.kl_mean", "abc"), ("bounds.float32.top1_agree", 2),
+                                       ("max_increase", "abc"), ("max_top1_drop", -0.1), ("floor", None),
+                                       ("floor.kl_p999", "x"), ("bounds", {})])
+def test_bad_gate_settings_are_usage_errors(key, value):
+    g = OmegaConf.load("conf/gate.yaml").gate
+    OmegaConf.update(g, key, value, force_add=True, merge=False)
+    with pytest.raises(UserError, match="gate."):
+        gate.check_gate_settings(g)
+    gate.check_gate_settings(OmegaConf.load("conf/gate.yaml").gate)  # the shipped settings are valid
 
 
 def test_update_baseline_writes_only_when_asked(tmp_path, smollm2_gguf):

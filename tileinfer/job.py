@@ -59,7 +59,8 @@ _SETTINGS = [("eval.n_score", int, 1, None), ("speed.decode_tokens", int, 1, Non
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """Raise UserError naming the first numeric setting that is not a number in its range."""
+    """Raise UserError naming the first numeric setting that is not a number in its range, or an
+    unknown ``reference.source``."""
     for key, kind, lo, hi in _SETTINGS:
         v = OmegaConf.select(cfg, key)
         try:
@@ -71,6 +72,8 @@ def check_settings(cfg: DictConfig) -> None:
         if (lo is not None and kind(v) < lo) or (hi is not None and kind(v) > hi):
             rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
             raise UserError(f"{key}={v}: must be {rng}")
+    if cfg.reference.source not in ("live", "stored"):
+        raise UserError(f"reference.source must be live or stored, not {cfg.reference.source!r}")
 
 
 def quant_spec(q: DictConfig) -> QuantSpec:
@@ -248,8 +251,6 @@ class Job:
             if any(r.prompt_len != self.ctx_tokens for r in refs):
                 raise UserError(f"stored reference for {prompt_set} has another ctx than {self.ctx_tokens}")
             return refs
-        if c.reference.source != "live":
-            raise UserError(f"reference.source must be live or stored, not {c.reference.source!r}")
         return self.live_references(prompt_set, ref_runner)
 
     def live_references(self, prompt_set: str, ref_runner: ModelRunner) -> list[FullReference]:

@@ -16,6 +16,7 @@ Parquet): ms per token, tok/s, the roofline's tok/s, the fraction of it reached,
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/bench", help="folder for decode.md and decode.parquet")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("error: the decode benchmark needs a CUDA GPU")
+        print("no CUDA device: the decode benchmark needs a GPU", file=sys.stderr)
         return 2
     ceil = measure_ceilings("cuda")
     print(f"copy bandwidth {ceil['copy_GBps']:.0f} GB/s")

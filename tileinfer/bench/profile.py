@@ -138,6 +138,9 @@ def parse(raw_csv: str, manifest: list[dict]) -> tuple[list[dict], list[dict]]:
     names = next(reader)
     units = dict(zip(names, next(reader, [])))
     rows = sorted((dict(zip(names, r)) for r in reader if r), key=lambda r: _num(r.get("ID")) or 0)
+    if not isinstance(manifest, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("nbytes", 0), (int, float, type(None))) for m in manifest):
+        raise ValueError("cases.json is not a list of (case, backend) entries as the profiling run writes")
     n_markers = sum(MARKER in r.get("Kernel Name", "") for r in rows)
     if n_markers != len(manifest):
         raise ValueError(f"ncu report has {n_markers} case markers but the manifest lists {len(manifest)} "
@@ -235,7 +238,7 @@ def find_ncu(override: str | None = None) -> str | None:
     found = [override] if override else [shutil.which("ncu"), "/usr/local/cuda/bin/ncu",
                                          *sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu")),
                                          *sorted(glob.glob("/usr/local/cuda*/bin/ncu"))]
-    return next((p for p in found if p and os.access(p, os.X_OK)), None)
+    return next((p for p in found if p and os.path.isfile(p) and os.access(p, os.X_OK)), None)
 
 
 def _stream(cmd: list[str], timeout: float) -> int:
@@ -276,6 +279,10 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         return write_tables(a.out, "tables rebuilt from ncu_raw.csv")
+    a.models = ",".join(m for m in a.models.split(",") if m)
+    if not a.models:
+        print(f"--models: name at least one of {', '.join(MODELS)}", file=sys.stderr)
+        return 2
     if unknown := [m for m in a.models.split(",") if m not in MODELS]:
         print(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}", file=sys.stderr)
         return 2
@@ -284,7 +291,16 @@ def main(argv=None) -> int:
         print(f"ncu: {a.ncu} is not an executable" if a.ncu else "ncu (Nsight Compute) not found on PATH, in "
               "/usr/local/cuda*/bin or /opt/nvidia/nsight-compute/*: pass --ncu PATH", file=sys.stderr)
         return 2
-    os.makedirs(a.out, exist_ok=True)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: the profile needs a GPU (and ncu)", file=sys.stderr)
+        return 2
+    try:
+        os.makedirs(a.out, exist_ok=True)
+    except OSError as e:
+        print(f"--out {a.out}: {e.strerror}", file=sys.stderr)
+        return 2
     rep, manifest = os.path.join(a.out, "profile"), os.path.join(a.out, "cases.json")
     for stale in (rep + ".ncu-rep", manifest):  # never parse an earlier run's files
         with contextlib.suppress(FileNotFoundError):
@@ -328,12 +344,16 @@ def write_tables(out: str, how: str) -> int:
     md = (f"Device {dev}; {time.strftime('%Y-%m-%d %H:%M')}; {how}\n\n"
           + (_markdown(kernels, list(kernels[0])) if kernels else "no kernels profiled\n")
           + "\n### Per case and backend\n\n" + (_markdown(summary, list(summary[0])) if summary else ""))
-    with open(os.path.join(out, "profile.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(out, "profile.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(kernels[0]) if kernels else [])
-        w.writeheader()
-        w.writerows(kernels)
+    try:
+        with open(os.path.join(out, "profile.md"), "w") as f:
+            f.write(md)
+        with open(os.path.join(out, "profile.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(kernels[0]) if kernels else [])
+            w.writeheader()
+            w.writerows(kernels)
+    except OSError as e:
+        print(f"cannot write the profile tables: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 1
     print(md)
     return 0
 
