@@ -297,14 +297,13 @@ def _gemm_tma_kernel(a_desc, b_desc, s_ptr, bias_ptr, o_ptr, M, N, K, stride_om,
 # many programs (a 2560-row weight must still spread over 132 SMs); BLOCK_K sets the bytes each
 # program loads at once. H200 sweep (NOTES.md): 4-row tiles win up to ~4k rows, 8-row tiles above;
 # prefetching the next tile in registers did not help (occupancy already hides the latency).
-GEMV1_BF16 = {"small": (4, 1024, 4, 1), "large": (8, 512, 4, 1)}
+# Each table: (most weight rows, config), the first that fits wins (None: any size).
+GEMV1_BF16 = [(4096, (4, 1024, 4, 1)), (None, (8, 512, 4, 1))]
 # INT8: sign-extended int8 tiles, 4 x 1024 up to 4k rows and 8 x 512 up to 8k (more programs: the
 # small INT8 GEMVs are latency-bound at 15-18% achieved occupancy, ncu), int32 words 16 x 512 above
 # (H200 sweeps: 4B o 6.4 -> 6.1 us, down 12.0 -> 11.0, qkv 8.6 -> 7.8; lm_head 145.6 -> 96.6,
 # gate_up 21.9 -> 17.8 with int32 words).
-GEMV1_INT8 = {"small": (4, 1024, 4, 1, 1), "medium": (8, 512, 4, 1, 1), "large": (16, 512, 4, 1, 2)}
-GEMV1_SMALL_ROWS = 4096
-GEMV1_INT8_MEDIUM_ROWS = 8192
+GEMV1_INT8 = [(4096, (4, 1024, 4, 1, 1)), (8192, (8, 512, 4, 1, 1)), (None, (16, 512, 4, 1, 2))]
 # GEMV, 2..16 rows (tl.dot, rows padded to 16): few programs, so deep software pipelining;
 # 32-row tiles won every shape of the sweep (17-21 us geomean against 25 for 16-row tiles).
 GEMV16_BF16 = (32, 256, 4, 4)
@@ -359,10 +358,7 @@ def _gemv_config(rows: int, int8: bool, n: int, k: int) -> tuple:
     if o is not None:
         return o
     if rows == 1:
-        if int8 and GEMV1_SMALL_ROWS < n <= GEMV1_INT8_MEDIUM_ROWS:
-            return GEMV1_INT8["medium"]
-        table = GEMV1_INT8 if int8 else GEMV1_BF16
-        return table["small" if n <= GEMV1_SMALL_ROWS else "large"]
+        return next(cfg for most, cfg in (GEMV1_INT8 if int8 else GEMV1_BF16) if most is None or n <= most)
     return GEMV16_INT8 if int8 else GEMV16_BF16
 
 
