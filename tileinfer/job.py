@@ -58,20 +58,25 @@ _SETTINGS = [("eval.n_score", int, 1, None), ("speed.decode_tokens", int, 1, Non
              ("quant.calibration_tokens", int, 1, None)]
 
 
+def check_number(key: str, v, kind=float, lo=None, hi=None) -> None:
+    """Raise UserError unless setting ``key``'s value ``v`` is a ``kind`` (int or float) in [lo, hi]
+    (None: unbounded on that side)."""
+    try:
+        ok = not isinstance(v, bool) and float(v) == kind(v)
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise UserError(f"{key}={v!r}: expected {'an integer' if kind is int else 'a number'}")
+    if (lo is not None and kind(v) < lo) or (hi is not None and kind(v) > hi):
+        rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
+        raise UserError(f"{key}={v}: must be {rng}")
+
+
 def check_settings(cfg: DictConfig) -> None:
     """Raise UserError naming the first numeric setting that is not a number in its range, or an
     unknown ``reference.source``."""
     for key, kind, lo, hi in _SETTINGS:
-        v = OmegaConf.select(cfg, key)
-        try:
-            ok = not isinstance(v, bool) and float(v) == kind(v)
-        except (TypeError, ValueError, OverflowError):
-            ok = False
-        if not ok:
-            raise UserError(f"{key}={v!r}: expected {'an integer' if kind is int else 'a number'}")
-        if (lo is not None and kind(v) < lo) or (hi is not None and kind(v) > hi):
-            rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
-            raise UserError(f"{key}={v}: must be {rng}")
+        check_number(key, OmegaConf.select(cfg, key), kind, lo, hi)
     if cfg.reference.source not in ("live", "stored"):
         raise UserError(f"reference.source must be live or stored, not {cfg.reference.source!r}")
 
