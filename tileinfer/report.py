@@ -84,7 +84,6 @@ def load_rows(runs_dir: Path) -> pl.DataFrame:
     return df.with_columns([pl.lit(None, pl.String).alias(c) for c in SETUP if c not in df.columns])
 
 
-
 def latest_rows(df: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     """The newest row of each (group, config, prompt set), sorted for display and labelled in a
     column ``config`` (:func:`config_label`), and how many older rows of the same key were dropped

@@ -148,6 +148,10 @@ class Case:
     flops: int = 0
     tags: dict = field(default_factory=dict)
 
+    def fn(self, ops) -> Callable:
+        """The op as ``fn(args)``: through a backend module, or torch's path when ``ops == "torch"``."""
+        return self.torch_call if ops == "torch" else (lambda a: self.call(ops, a))
+
     @property
     def metric(self) -> str:
         return "TFLOP/s" if self.flops and self.phase == "prefill" and self.op in (
@@ -504,9 +508,8 @@ def run_cases(cases, backends: dict, ceil: dict, dev, budget_s: float, log=print
             continue
         results = {}
         for name, ops in backends.items():
-            fn = (lambda a, c=c: c.torch_call(a)) if ops == "torch" else (lambda a, ops=ops, c=c: c.call(ops, a))
             try:
-                results[name] = _median_graph_us(fn, sets, target_ms, reps)
+                results[name] = _median_graph_us(c.fn(ops), sets, target_ms, reps)
             except Exception as e:
                 log(f"{name} {c.model} {c.phase} {c.op} {c.shape} {c.variant}: {type(e).__name__}: {str(e)[:200]}")
         t_torch = results.get("torch", (None,))[0]
@@ -578,7 +581,7 @@ def run_sweep(models, ceil, dev, budget_s, log=print, families: str = "") -> lis
             for cfg in cfgs:
                 mod._OVERRIDE[key] = cfg
                 try:
-                    us, _ = _median_graph_us(lambda a: c.call(ops, a), sets, 1.0, 5)
+                    us, _ = _median_graph_us(c.fn(ops), sets, 1.0, 5)
                     r = _table_rows(c, "triton", us, True, ceil, None)
                     r.update(family=fam, config=str(cfg), cfg_key=str(c.tags.get("cfg_key")))
                     _CFG[str(cfg)] = cfg

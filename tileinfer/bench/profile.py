@@ -203,7 +203,7 @@ def _child(a) -> int:
             print(f"[profile] {label}: building the arguments failed: {type(e).__name__}: {e}", flush=True)
             continue
         for name, ops in backends.items():
-            fn = (lambda a_, c=c: c.torch_call(a_)) if ops == "torch" else (lambda a_, c=c, ops=ops: c.call(ops, a_))
+            fn = c.fn(ops)
             try:
                 for _ in range(3):
                     fn(args)
