@@ -25,7 +25,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON
 
 pytest.importorskip("triton")
 
-from tests.numerics import filtered_probs, rel  # noqa: E402
+from tests.numerics import assert_int8_kv_write_matches_quantize_int8, filtered_probs, rel  # noqa: E402
 from tileinfer.kv_cache import PagedKVCache  # noqa: E402
 from tileinfer.ops import Int8Weight  # noqa: E402
 from tileinfer.ops import reference as R  # noqa: E402
@@ -179,21 +179,9 @@ def test_qk_norm_rope_kv_write(dt, int8, norm, T, start, kvh, group):
 
 
 def test_int8_kv_write_quantizes_bitwise_like_the_reference():
-    """At RoPE angle 0 without q/k norm the kernel stores its inputs: codes and scales equal
-    ``reference.quantize_int8`` bit for bit (tests/gpu/test_int8_kv_quantization.py on the GPU)."""
-    T, kvh, d, page = 37, 3, 64, 16
-    kv = _cache(torch.bfloat16, True, 5, page, kvh, d)
-    bt = torch.randperm(5).to(torch.int32)
-    pos = torch.arange(T, dtype=torch.int32)
-    k = (torch.randn(T, kvh, d) * torch.rand(T, kvh, 1).exp2() * 8).to(torch.bfloat16)
-    v = torch.randn(T, kvh, d).to(torch.bfloat16)
-    TR.qk_norm_rope_kv_write(torch.randn(T, kvh, d).to(torch.bfloat16), k, v, None, None, 1e-6,
-                             torch.ones(T, d // 2), torch.zeros(T, d // 2), kv.layers[0], bt, pos)
-    pages, slots = bt[pos.long() // page].long(), pos.long() % page
-    for x, codes, scales in ((k, kv.k[0], kv.k_scale[0]), (v, kv.v[0], kv.v_scale[0])):
-        want_q, want_s = R.quantize_int8(x)
-        assert torch.equal(scales[pages, :, slots], want_s)
-        assert torch.equal(codes[pages, :, slots], want_q)
+    """Codes and scales of the fused KV write equal ``reference.quantize_int8`` bit for bit
+    (tests/gpu/test_int8_kv_quantization.py on the GPU)."""
+    assert_int8_kv_write_matches_quantize_int8(TR, "cpu", T=37, kvh=3, d=64, page=16)
 
 
 # ---------------------------------------------------------------------------- attention
