@@ -36,7 +36,7 @@ import os
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from tileinfer.errors import UserError
+from tileinfer.core.errors import UserError
 
 PROMPT_SETS = ("edit", "explain")
 

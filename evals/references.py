@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from evals.metrics import position_metrics
-from tileinfer.errors import UserError
+from tileinfer.core.errors import UserError
 
 FORMAT = "tileinfer-topk-reference/1"
 
@@ -135,7 +135,7 @@ class TopKReference:
 
         path = Path(path)
         if not path.is_file():
-            raise UserError(f"stored reference {path} does not exist; record it with python -m tileinfer.reference")
+            raise UserError(f"stored reference {path} does not exist; record it with python -m tileinfer.record")
         try:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}

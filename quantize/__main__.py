@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from tileinfer.checkpoint import load_checkpoint
-from tileinfer.errors import exit_on_user_error
-from tileinfer.pull import pull
+from tileinfer.core.checkpoint import load_checkpoint
+from tileinfer.core.errors import exit_on_user_error
+from tileinfer.core.fetch import pull
 
 from quantize.checkpoint import WEIGHTS_FILE, check_out, quantization_config, write_checkpoint
 from quantize.spec import DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantSpec, apply
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> None:
                      args.calibration_tokens)
     out = args.out
     check_out(out, args.force)  # before any work
-    from tileinfer.tokenizer import Tokenizer  # deferred: only the CLI needs it
+    from tileinfer.core.tokenizer import Tokenizer  # deferred: only the CLI needs it
 
     path = pull(args.model)
     checkpoint = load_checkpoint(path)

@@ -9,7 +9,7 @@ Layout of a folder written by :func:`write_checkpoint`:
   (:func:`quantization_config`), which says among other things whether to run an INT8 KV cache.
 * the tokenizer files (``tokenizer.save(folder)``).
 
-``tileinfer.checkpoint.load_checkpoint`` + ``Transformer.from_state_dict`` load it; pass
+``tileinfer.core.checkpoint.load_checkpoint`` + ``Transformer.from_state_dict`` load it; pass
 ``kv_int8=kv_int8_of(checkpoint)`` to the ``ModelRunner``.
 """
 
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tileinfer.checkpoint import Checkpoint
-from tileinfer.errors import UserError
+from tileinfer.core.checkpoint import Checkpoint
+from tileinfer.core.errors import UserError
 from tileinfer.models.transformer import SCALE_SUFFIX
 
 from quantize.spec import BUILTIN_CALIBRATION, calibration_text

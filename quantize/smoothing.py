@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import torch
 
-from tileinfer.config import ModelConfig
-from tileinfer.errors import UserError
-from tileinfer.kv_cache import KVLayer
+from tileinfer.core.config import ModelConfig
+from tileinfer.core.errors import UserError
+from tileinfer.core.kv_cache import KVLayer
 from tileinfer.models import Transformer
 from tileinfer.ops import reference
-from tileinfer.runner import ModelRunner
+from tileinfer.engine.runner import ModelRunner
 
 DEFAULT_ALPHA = 0.5
 K_SMOOTH = "model.layers.{}.self_attn.k_smooth"  # where the scales are recorded in a state dict

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from tileinfer.checkpoint import Checkpoint
-from tileinfer.config import ModelConfig
-from tileinfer.errors import UserError
+from tileinfer.core.checkpoint import Checkpoint
+from tileinfer.core.config import ModelConfig
+from tileinfer.core.errors import UserError
 
 from quantize.smoothing import DEFAULT_ALPHA, fold_key_scales, key_absmax, smoothing_scales
 from quantize.weights import quantize_weights
@@ -109,7 +109,7 @@ def apply(source: Checkpoint | dict[str, torch.Tensor], config: ModelConfig | No
     """Quantize a float model in memory: smooth the keys (if effective), then quantize the weights.
 
     Args:
-        source: a loaded :class:`~tileinfer.checkpoint.Checkpoint` or its state dict (float tensors
+        source: a loaded :class:`~tileinfer.core.checkpoint.Checkpoint` or its state dict (float tensors
             under transformers' names; not modified).
         config: the model's shapes; None takes the checkpoint's.
         spec: what to do; its :meth:`QuantSpec.effective` form is applied.

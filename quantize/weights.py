@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from tileinfer.config import ModelConfig
-from tileinfer.errors import UserError
+from tileinfer.core.config import ModelConfig
+from tileinfer.core.errors import UserError
 from tileinfer.models.transformer import SCALE_SUFFIX
 from tileinfer.ops.reference import quantize_int8
 

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """Path of SmolLM2-135M-Instruct Q4_1 (llama architecture, 98 MB) in the tileinfer cache."""
-    from tileinfer.pull import pull
+    from tileinfer.core.fetch import pull
 
     return pull("smollm2-135m")
 
@@ -25,7 +25,7 @@ def smollm2_gguf():
 @pytest.fixture(scope="session")
 def qwen05_gguf():
     """Path of Qwen2.5-Coder-0.5B-Instruct (qwen2 architecture, 491 MB) in the tileinfer cache."""
-    from tileinfer.pull import pull
+    from tileinfer.core.fetch import pull
 
     return pull("qwen2.5-coder-0.5b")
 

@@ -27,7 +27,7 @@ def assert_int8_kv_write_matches_quantize_int8(ops, device, T: int, kvh: int, d:
     """``ops.qk_norm_rope_kv_write`` into an INT8 cache at RoPE angle 0 without q/k norm stores its
     inputs themselves, so their codes and scales must equal ``reference.quantize_int8`` bit for bit.
     K spans many binades of scale (random magnitudes); the pages are scattered."""
-    from tileinfer.kv_cache import PagedKVCache
+    from tileinfer.core.kv_cache import PagedKVCache
     from tileinfer.ops import reference as R
 
     n_pages = -(-T // page) + 2

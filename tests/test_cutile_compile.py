@@ -1,7 +1,7 @@
 """Every cuTile kernel, at every specialization the shipped models need, compiles for sm_90 (CPU).
 
 The specializations come from running the model code on meta tensors with the backend's launches
-recorded (tileinfer/ops/cutile/specializations.py); each is compiled with
+recorded (tileinfer/bench/cutile_variants.py); each is compiled with
 ``cuda.tile.compilation.export_kernel(..., gpu_code="sm_90", output_format="cubin")``, which needs
 the ``cuda-tile[tileiras]`` package but no GPU. Compiles run in a process pool (one per core);
 tileiras runs as a subprocess, so the pool scales with the cores. Skipped where cuda.tile or
@@ -20,7 +20,7 @@ import pytest
 
 ct = pytest.importorskip("cuda.tile")
 
-from tileinfer.ops.cutile import specializations as S  # noqa: E402
+from tileinfer.bench import cutile_variants as S  # noqa: E402
 
 _SPECS = None
 

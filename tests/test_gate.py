@@ -10,11 +10,12 @@ from omegaconf import OmegaConf
 
 from evals.references import TopKReference
 from tests import faults
-from tileinfer import drift, gate
-from tileinfer.errors import UserError
-from tileinfer.checkpoint import load_checkpoint
+from tileinfer.jobs import drift
+from tileinfer import gate
+from tileinfer.core.errors import UserError
+from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.models import Transformer
-from tileinfer.runner import ModelRunner
+from tileinfer.engine.runner import ModelRunner
 
 GATE = OmegaConf.load("conf/gate.yaml").gate
 STORED = "evals/references/smollm2-135m/reference-bf16-nosmooth-{}0-ctx1024-n128.topk"

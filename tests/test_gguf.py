@@ -1,4 +1,4 @@
-"""tileinfer.checkpoint.gguf_file against gguf.GGUFReader and transformers' own GGUF loader."""
+"""tileinfer.core.checkpoint.gguf_file against gguf.GGUFReader and transformers' own GGUF loader."""
 
 import os
 import shutil
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from tileinfer.checkpoint import gguf_file
-from tileinfer.checkpoint.gguf_file import gguf_metadata, load_gguf, read_header
-from tileinfer.config import ModelConfig
-from tileinfer.errors import UserError
+from tileinfer.core.checkpoint import gguf_file
+from tileinfer.core.checkpoint.gguf_file import gguf_metadata, load_gguf, read_header
+from tileinfer.core.config import ModelConfig
+from tileinfer.core.errors import UserError
 
 
 def _transformers_state(path):

@@ -3,10 +3,10 @@
 import torch
 import transformers
 
-from tileinfer.checkpoint import load_checkpoint
+from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.models import Transformer
-from tileinfer.runner import ModelRunner
-from tileinfer.tokenizer import Tokenizer
+from tileinfer.engine.runner import ModelRunner
+from tileinfer.core.tokenizer import Tokenizer
 
 
 def test_smollm2_gguf_logits_match_transformers(smollm2_gguf):

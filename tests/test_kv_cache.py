@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tileinfer.errors import UserError
-from tileinfer.kv_cache import BlockManager, PagedKVCache, Sequence
+from tileinfer.core.errors import UserError
+from tileinfer.core.kv_cache import BlockManager, PagedKVCache, Sequence
 from tileinfer.ops import reference as ref
 
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from tests.tiny_models import CONFIGS, make_tiny
-from tileinfer.checkpoint import load_checkpoint
+from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.models import Transformer
-from tileinfer.runner import ModelRunner
+from tileinfer.engine.runner import ModelRunner
 
 
 def rel_err(a, b):

@@ -9,7 +9,7 @@ from evals import prompts
 from evals.prompts import (PROMPT_SETS, base_prompt_ids, build_prompt, build_text_prompt,
                            calibration_text, load_dataset_prompts, load_text_prompts,
                            target_source)
-from tileinfer.errors import UserError
+from tileinfer.core.errors import UserError
 
 CTXS = (1024, 8192, 32768)
 
@@ -35,7 +35,7 @@ class HFTokenizer:
 def tok():
     from transformers import AutoTokenizer
 
-    from tileinfer.pull import pull
+    from tileinfer.core.fetch import pull
 
     path = Path(pull("smollm2-135m"))
     return HFTokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))

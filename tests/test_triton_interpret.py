@@ -26,7 +26,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON
 pytest.importorskip("triton")
 
 from tests.numerics import assert_int8_kv_write_matches_quantize_int8, filtered_probs, rel  # noqa: E402
-from tileinfer.kv_cache import PagedKVCache  # noqa: E402
+from tileinfer.core.kv_cache import PagedKVCache  # noqa: E402
 from tileinfer.ops import Int8Weight  # noqa: E402
 from tileinfer.ops import reference as R  # noqa: E402
 from tileinfer.ops import triton as TR  # noqa: E402
@@ -266,7 +266,7 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "tileinfer.ops.triton.aot"], cwd=REPO, env=env,
+    p = subprocess.run([sys.executable, "-m", "tileinfer.bench.aot_triton"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     assert "kernels compiled for sm_90" in p.stdout

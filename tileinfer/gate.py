@@ -31,8 +31,8 @@ import hydra
 import polars as pl
 from omegaconf import DictConfig
 
-from tileinfer import job, tables
-from tileinfer.errors import NonFiniteLogits, UserError, check_runs_dir, exit_on_user_error
+from tileinfer.jobs import job, tables
+from tileinfer.core.errors import NonFiniteLogits, UserError, check_runs_dir, exit_on_user_error
 
 # Columns that identify "the same configuration" in a baseline table.
 KEY = ["model", "model_sha256", "quant", "smooth_keys", "smooth_alpha", "calibration_tokens", "ctx_tokens",
@@ -87,7 +87,7 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
     """The verdict table of candidate rows against bounds and baseline rows.
 
     Args:
-        candidate: sweep rows (tileinfer.tables.make_row) with a ``kernel`` bool column (True when
+        candidate: sweep rows (tileinfer.jobs.tables.make_row) with a ``kernel`` bool column (True when
             candidate and reference share the quant config, so only kernels or code differ).
         baseline: earlier rows, or None.
         gate: the ``gate`` config: ``bounds``, ``max_increase``, ``floor``, ``max_top1_drop``.
@@ -202,7 +202,7 @@ def run_gate(cfg: DictConfig) -> int:
     return 1
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="gate")
+@hydra.main(version_base="1.3", config_path="pkg://tileinfer.conf", config_name="gate")
 def main(cfg: DictConfig) -> None:
     try:
         with exit_on_user_error("tileinfer.gate", code=2):

@@ -6,7 +6,7 @@
 Reads every result row under RUNS_DIR (the Parquet rows of ``python -m tileinfer.sweep``) and writes
 into the output folder:
 
-- ``summary.parquet`` / ``summary.md``: all rows as one table (:func:`tileinfer.tables.write_summary`);
+- ``summary.parquet`` / ``summary.md``: all rows as one table (:func:`tileinfer.jobs.tables.write_summary`);
 - ``scatter-*.png``: mean KL (log scale) against decode speed, one plot per (model, ctx, backend);
 - ``kl_by_position-*.png``: KL along the scored window, one plot per (model, ctx, backend, prompt set);
 - ``report.md``: one section per (model, ctx, backend) with one table per prompt set (prompt sets
@@ -33,8 +33,8 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
 from evals.metrics import LLAMA_CPP_LABELS  # noqa: E402
-from tileinfer import tables  # noqa: E402
-from tileinfer.errors import UserError, exit_on_user_error  # noqa: E402
+from tileinfer.jobs import tables  # noqa: E402
+from tileinfer.core.errors import UserError, exit_on_user_error  # noqa: E402
 
 GROUP = ["model", "ctx", "backend"]  # one report section each...
 # ...and each scoring setup: rows with another scoring window, reference or runner settings are not

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tileinfer import tables
-from tileinfer.errors import UserError, exit_on_user_error
+from tileinfer.jobs import tables
+from tileinfer.core.errors import UserError, exit_on_user_error
 
 
 def main(argv=None) -> None:

@@ -4,7 +4,7 @@
     python -m tileinfer.sweep quant=int8_both ctx=32k
     python -m tileinfer.sweep -m quant=bf16,int8_weights,int8_kv,int8_both ctx=1k,8k
 
-Each job (see tileinfer.job) writes one Parquet row per prompt set under ``runs_dir/rows``,
+Each job (see tileinfer.jobs.job) writes one Parquet row per prompt set under ``runs_dir/rows``,
 atomically; a row that already exists is not computed again, so an interrupted sweep restarted with
 the same command keeps what finished. Each job prints its rows; a multirun prints all of them at
 the end and saves them as ``summary.parquet`` / ``summary.md`` in its log folder.
@@ -22,8 +22,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from tileinfer import job, tables
-from tileinfer.errors import check_runs_dir, exit_on_user_error
+from tileinfer.jobs import job, tables
+from tileinfer.core.errors import check_runs_dir, exit_on_user_error
 
 ROWS_LIST = "rows.json"  # in each job's Hydra output folder: the row files the job produced
 
@@ -32,7 +32,7 @@ def read_rows(paths) -> pl.DataFrame:
     return pl.concat([pl.read_parquet(p) for p in dict.fromkeys(paths)], how="diagonal_relaxed")
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://tileinfer.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point: one job of a run or multirun."""
     with exit_on_user_error("tileinfer.sweep"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tileinfer.kv_cache import KVLayer
+from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops import Int8Weight
 from tileinfer.ops import reference as ref
 

@@ -10,12 +10,13 @@ import torch
 from omegaconf import OmegaConf
 
 from quantize import QuantSpec, apply
-from tileinfer import drift, gate
-from tileinfer.checkpoint import Checkpoint
-from tileinfer.checkpoint.random_init import random_state_dict
-from tileinfer.config import ModelConfig
+from tileinfer.jobs import drift
+from tileinfer import gate
+from tileinfer.core.checkpoint import Checkpoint
+from tileinfer.core.checkpoint.random_init import random_state_dict
+from tileinfer.core.config import ModelConfig
 from tileinfer.models import Transformer
-from tileinfer.runner import ModelRunner
+from tileinfer.engine.runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

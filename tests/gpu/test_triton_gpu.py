@@ -15,7 +15,7 @@ import torch
 
 from tests.numerics import filtered_probs, rel  # noqa: E402
 from tileinfer.bench import MODELS, ModelShape
-from tileinfer.kv_cache import PagedKVCache
+from tileinfer.core.kv_cache import PagedKVCache
 from tileinfer.ops import Int8Weight
 from tileinfer.ops import reference as R
 

@@ -24,10 +24,10 @@ from omegaconf import OmegaConf
 
 from quantize import QuantSpec, apply
 from tileinfer.bench.ops import measure_ceilings, save
-from tileinfer.checkpoint.random_init import random_state_dict
-from tileinfer.config import ModelConfig
+from tileinfer.core.checkpoint.random_init import random_state_dict
+from tileinfer.core.config import ModelConfig
 from tileinfer.models import Transformer
-from tileinfer.runner import ModelRunner
+from tileinfer.engine.runner import ModelRunner
 
 
 def bytes_per_step(runner: ModelRunner, ctx: int) -> int:

@@ -230,7 +230,7 @@ def linear_cases(m: ModelShape, phase: str, T: int, dev_hint="cuda") -> list[Cas
 
 def _kv(m: ModelShape, L: int, int8: bool, dev, extra_pages: int = 0):
     """A one-layer page pool holding L random positions, pages scattered, and its block table."""
-    from tileinfer.kv_cache import PagedKVCache
+    from tileinfer.core.kv_cache import PagedKVCache
 
     n_pages = -(-L // PAGE) + extra_pages
     kv = PagedKVCache(1, n_pages, PAGE, m.kv_heads, m.head_dim, torch.bfloat16, int8, dev)
@@ -424,7 +424,7 @@ def _precompile_worker(args):
 
     from triton.backends.compiler import GPUTarget
 
-    from tileinfer.ops.triton import aot
+    from tileinfer.bench import aot_triton as aot
 
     ops = importlib.import_module("tileinfer.ops.triton")
     mod = key = None

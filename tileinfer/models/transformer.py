@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tileinfer.config import ModelConfig
-from tileinfer.errors import UserError
-from tileinfer.kv_cache import PagedKVCache
+from tileinfer.core.config import ModelConfig
+from tileinfer.core.errors import UserError
+from tileinfer.core.kv_cache import PagedKVCache
 from tileinfer.ops import Int8Weight
 from tileinfer.ops.rope import rope_tables
 

@@ -14,7 +14,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from tileinfer.kv_cache import KVLayer
+from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops import Int8Weight
 
 # ---------------------------------------------------------------------------- elementwise, norms

@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from tileinfer.config import ModelConfig
-from tileinfer.errors import UserError
+from tileinfer.core.config import ModelConfig
+from tileinfer.core.errors import UserError
 
 
 def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:

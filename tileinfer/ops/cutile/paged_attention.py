@@ -26,7 +26,7 @@ import math
 import torch
 
 import cuda.tile as ct
-from tileinfer.kv_cache import KVLayer
+from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops import reference as ref
 from tileinfer.ops.cutile._common import (LOG2E, TARGET_BLOCKS, ZERO, ConstBool, ConstInt, cdiv,
                                           dummy, is_pow2, launch, next_pow2, pdl_prologue,

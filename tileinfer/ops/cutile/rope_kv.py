@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 import cuda.tile as ct
-from tileinfer.kv_cache import KVLayer
+from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops import reference as ref
 from tileinfer.ops.cutile._common import (ZERO, ConstBool, ConstInt, dummy, is_pow2, launch,
                                           next_pow2, pdl_prologue)

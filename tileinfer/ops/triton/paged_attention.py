@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tileinfer.kv_cache import KVLayer
+from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops.triton._common import (cast, cdiv, dot_dtype, dot_precision, i8x4_byte_to_f32,
                                           next_pow2)
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tileinfer.kv_cache import KVLayer
+from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops.triton._common import cast, rint_f32
 
 

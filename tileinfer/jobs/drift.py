@@ -21,9 +21,9 @@ import torch
 
 from evals.metrics import MetricsAccumulator, greedy_agreement_length
 from evals.references import FullReference
-from tileinfer.errors import NonFiniteLogits
-from tileinfer.generation import generate
-from tileinfer.runner import ModelRunner
+from tileinfer.core.errors import NonFiniteLogits
+from tileinfer.engine.generation import generate
+from tileinfer.engine.runner import ModelRunner
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tileinfer.errors import UserError
+from tileinfer.core.errors import UserError
 
 
 @dataclass

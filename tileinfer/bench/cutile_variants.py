@@ -26,8 +26,8 @@ import torch
 import cuda.tile as ct
 from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature,
                                    ScalarConstraint)
-from tileinfer.config import ModelConfig
-from tileinfer.kv_cache import PagedKVCache
+from tileinfer.core.config import ModelConfig
+from tileinfer.core.kv_cache import PagedKVCache
 from tileinfer.models.transformer import Layer, Transformer
 from tileinfer.ops import Int8Weight
 from tileinfer.ops.cutile import _common

@@ -1,7 +1,7 @@
 """Record stored references: the configured model's top-k distributions on every prompt set.
 
-    python -m tileinfer.reference model=smollm2-135m ctx=1k eval.n_score=128   # BF16 (conf/reference.yaml)
-    python -m tileinfer.reference quant=int8_both reference.top_k=128
+    python -m tileinfer.record model=smollm2-135m ctx=1k eval.n_score=128   # BF16 (conf/reference.yaml)
+    python -m tileinfer.record quant=int8_both reference.top_k=128
 
 The configuration recorded is the job's candidate (``backend`` and ``quant``), so a later run with
 ``reference.source=stored`` (and ``reference.backend`` / ``reference.quant`` naming this
@@ -19,8 +19,8 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from tileinfer import job, tables
-from tileinfer.errors import check_runs_dir, exit_on_user_error
+from tileinfer.jobs import job, tables
+from tileinfer.core.errors import check_runs_dir, exit_on_user_error
 
 
 def record(cfg: DictConfig) -> list:
@@ -46,12 +46,12 @@ def record(cfg: DictConfig) -> list:
     return paths
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="reference")
+@hydra.main(version_base="1.3", config_path="pkg://tileinfer.conf", config_name="reference")
 def main(cfg: DictConfig) -> None:
-    with exit_on_user_error("tileinfer.reference"):
+    with exit_on_user_error("tileinfer.record"):
         record(cfg)
 
 
 if __name__ == "__main__":
-    check_runs_dir("tileinfer.reference", sys.argv[1:])
+    check_runs_dir("tileinfer.record", sys.argv[1:])
     main()

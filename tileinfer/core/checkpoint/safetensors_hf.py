@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from tileinfer.errors import UserError
+from tileinfer.core.errors import UserError
 
 
 def load_hf_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from tileinfer.runner import ModelRunner
+from tileinfer.engine.runner import ModelRunner
 
 
 @dataclass(frozen=True)

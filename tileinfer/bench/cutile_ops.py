@@ -1,6 +1,6 @@
 """Timing of the cuTile kernels against the H200's measured ceilings (run on the GPU).
 
-``python -m tileinfer.ops.cutile.bench [--quick] [--json PATH]``
+``python -m tileinfer.bench.cutile_ops [--quick] [--json PATH]``
 
 Each op is captured N times in a CUDA graph (inputs rotated over enough copies to exceed the
 50 MB L2 where the op is memory-bound) and the graph replayed; the median per-op time is
@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tileinfer.kv_cache import PagedKVCache
+from tileinfer.core.kv_cache import PagedKVCache
 from tileinfer.ops import Int8Weight
 from tileinfer.ops import reference as ref
 
@@ -270,7 +270,7 @@ def bench_small(ops):
 
 def bench_decode_step(ops, bw, quick):
     """Whole decode steps of random-weight models from a captured graph: tok/s vs the roofline."""
-    from tileinfer.config import ModelConfig
+    from tileinfer.core.config import ModelConfig
     from tileinfer.models.transformer import Layer, Transformer
     from tileinfer.ops.cutile import _common
     from tileinfer.ops.cutile import gemm as L

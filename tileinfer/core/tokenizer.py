@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
-from tileinfer.errors import UserError
+from tileinfer.core.errors import UserError
 
 # Pre-tokenizer split regexes, from llama.cpp's llama-vocab.cpp and transformers' tokenizer classes.
 _GPT2_SPLIT = None  # ByteLevel(use_regex=True) applies GPT-2's own regex
@@ -140,7 +140,7 @@ class Tokenizer:
         Raises:
             UserError: naming the file, for a non-BPE tokenizer model or an unknown pre-tokenizer.
         """
-        from tileinfer.checkpoint.gguf_file import gguf_metadata
+        from tileinfer.core.checkpoint.gguf_file import gguf_metadata
 
         md = gguf_metadata(path)
         kind = md.get("tokenizer.ggml.model")

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import torch
 from tqdm.auto import tqdm
 
-from tileinfer.errors import UserError
-from tileinfer.kv_cache import BlockManager, PagedKVCache, Sequence
+from tileinfer.core.errors import UserError
+from tileinfer.core.kv_cache import BlockManager, PagedKVCache, Sequence
 from tileinfer.models import Transformer
 from tileinfer.ops import get_backend
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from tileinfer.config import ModelConfig
+from tileinfer.core.config import ModelConfig
 
 LOGIT_STD = 4.0
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from tileinfer.config import ModelConfig
-from tileinfer.errors import UserError
+from tileinfer.core.config import ModelConfig
+from tileinfer.core.errors import UserError
 
 
 @dataclass
@@ -44,11 +44,11 @@ def load_checkpoint(path, dtype: torch.dtype = torch.bfloat16) -> Checkpoint:
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist")
     if path.is_file() and path.suffix == ".gguf":
-        from tileinfer.checkpoint.gguf_file import load_gguf
+        from tileinfer.core.checkpoint.gguf_file import load_gguf
 
         hf_config, sd = load_gguf(path, dtype=dtype)
     elif path.is_dir():
-        from tileinfer.checkpoint.safetensors_hf import load_hf_folder
+        from tileinfer.core.checkpoint.safetensors_hf import load_hf_folder
 
         hf_config, sd = load_hf_folder(path)
     else:

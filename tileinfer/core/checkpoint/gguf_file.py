@@ -31,7 +31,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from tileinfer.errors import UserError
+from tileinfer.core.errors import UserError
 
 CACHE_FORMAT = 1  # bump when the cached tensors would change (names, permutation, rounding)
 CACHE_MIN_BYTES = 256 << 20  # below this, dequantizing (~1 s) is cheaper than a cache on disk
@@ -280,7 +280,7 @@ def _check_complete(path: Path, cfg: dict, names: set[str]) -> None:
 
 
 def _cache_file(path: Path, dtype: torch.dtype, home) -> Path:
-    from tileinfer.pull import tileinfer_home  # late: pull imports nothing from here, but keep it one-way
+    from tileinfer.core.fetch import tileinfer_home  # late: pull imports nothing from here, but keep it one-way
 
     st = path.stat()
     key = hashlib.sha256(f"{CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]

@@ -1,6 +1,6 @@
 """Compile every specialization the shipped models need, in parallel, into cuTile's disk cache.
 
-``python -m tileinfer.ops.cutile.warmup [--jobs N] [--arch sm_90]``
+``python -m tileinfer.bench.cutile_warmup [--jobs N] [--arch sm_90]``
 
 The JIT compiles a kernel on its first launch with a given specialization, one at a time, in the
 launching process. Compiling the list of ``specializations.py`` ahead, one process per core,
@@ -18,7 +18,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from tileinfer.ops.cutile import specializations as S
+from tileinfer.bench import cutile_variants as S
 
 _SPECS: list = []
 _ARCH = "sm_90"
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     _ARCH = a.arch
     _SPECS = S.specializations()
     if a.bench:
-        from tileinfer.ops.cutile.bench import sweep_launches
+        from tileinfer.bench.cutile_ops import sweep_launches
 
         seen = {(x.name, repr(x.signature.parameters)) for x in _SPECS}
         for kernel, _, args in sweep_launches():

@@ -22,15 +22,16 @@ from omegaconf import DictConfig, OmegaConf
 from evals.prompts import PROMPT_SETS, build_prompt, build_text_prompt, load_text_prompts
 from evals.references import FullReference, TopKReference
 from quantize import QuantSpec, apply as apply_quant
-from tileinfer import drift, tables
-from tileinfer.checkpoint import Checkpoint, load_checkpoint
-from tileinfer.checkpoint.random_init import random_state_dict
-from tileinfer.config import ModelConfig
-from tileinfer.errors import UserError
+from tileinfer.jobs import drift, tables
+from tileinfer.core.checkpoint import Checkpoint, load_checkpoint
+from tileinfer.core.checkpoint.random_init import random_state_dict
+from tileinfer.core.config import ModelConfig
+from tileinfer.core.errors import UserError
 from tileinfer.models import Transformer
-from tileinfer.pull import pull
-from tileinfer.runner import ModelRunner
-from tileinfer.tokenizer import Tokenizer
+from tileinfer.core.fetch import pull
+from tileinfer.core.registry import check_checkpoint_config
+from tileinfer.engine.runner import ModelRunner
+from tileinfer.core.tokenizer import Tokenizer
 
 _MODEL: dict = {}  # the last loaded BF16 model: {key: (checkpoint, tokenizer, Transformer)}
 _QUANTIZED: dict = {}  # the last quantized model built from it: {(model key, spec): Transformer}
@@ -117,7 +118,8 @@ def model_fingerprint(cfg: DictConfig, path: Path | None) -> str:
     if sha:
         return str(sha)
     if path is None:
-        return hashlib.sha256(json.dumps(OmegaConf.to_container(cfg.model.source.random), sort_keys=True).encode()).hexdigest()
+        drawn = OmegaConf.to_container(cfg.model.source.random) | {"config": OmegaConf.to_container(cfg.model.config)}
+        return hashlib.sha256(json.dumps(drawn, sort_keys=True).encode()).hexdigest()
     files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
     stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     return hashlib.sha256(json.dumps(stamp).encode()).hexdigest()
@@ -143,7 +145,7 @@ def load_model(cfg: DictConfig, device: torch.device) -> Loaded:
         dtype = getattr(torch, cfg.dtype)
         rnd = OmegaConf.select(cfg, "model.source.random")
         if rnd is not None:  # random weights with a real model's shapes, drawn on the device
-            hf = OmegaConf.to_container(rnd.config)
+            hf = OmegaConf.to_container(cfg.model.config)
             path = None
             tok_path = Path(rnd.tokenizer) if Path(rnd.tokenizer).is_dir() else pull(rnd.tokenizer)
             ck = Checkpoint(Path(f"random:{cfg.model.name}"), ModelConfig.from_hf(hf), hf,
@@ -151,6 +153,8 @@ def load_model(cfg: DictConfig, device: torch.device) -> Loaded:
         else:
             path = tok_path = pull(cfg.model.name)
             ck = load_checkpoint(path, dtype=dtype)
+            if OmegaConf.select(cfg, "model.config") is not None:
+                check_checkpoint_config(cfg.model.name, ck.config)
         model = Transformer.from_state_dict(ck.config, ck.state_dict, dtype=dtype, device=device)
         _MODEL[key] = Loaded(ck, Tokenizer.load(tok_path), model, model_fingerprint(cfg, path), device)
     return _MODEL[key]

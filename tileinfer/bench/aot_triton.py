@@ -5,7 +5,7 @@ of running it, through the same binder/specialisation path ``JITFunction.run`` t
 specialisations, and the on-disk cache keys, are those a real launch at these shapes produces).
 The ops are called on ``meta`` tensors, which have shapes and dtypes but no storage.
 
-``python -m tileinfer.ops.triton.aot [--models ...] [--sass]`` compiles every kernel the shipped
+``python -m tileinfer.bench.aot_triton [--models ...] [--sass]`` compiles every kernel the shipped
 models need (decode, verify and prefill shapes, BF16/INT8 weights and cache) and prints registers,
 spills, shared memory and, with --sass, counts of the instructions that matter (HGMMA, I2F, LDG.128).
 It must run without ``TRITON_INTERPRET`` (tests start it in a subprocess).
@@ -94,7 +94,7 @@ def model_calls(shape, rows=(1, 16, 127, 512, 1023), context: int = 2048, page_s
     rows: token counts per step (decode, verify, scored chunks of 127/1023 rows, prefill). Both weight
     kinds, both cache kinds.
     """
-    from tileinfer.kv_cache import PagedKVCache
+    from tileinfer.core.kv_cache import PagedKVCache
     from tileinfer.ops import Int8Weight
     from tileinfer.ops import triton as ops
 

@@ -13,7 +13,7 @@ R=$OUT/h200; mkdir -p $R
 n=0
 step() { local t=$1; shift; n=$((n+1)); echo "== $* (limit ${t}s)"; timeout "$t" "$@" > "$R/step$n.log" 2>&1; echo "   exit $?"; }
 python -m tileinfer.pull smollm2-135m || exit 1
-step 30 python -m tileinfer.ops.cutile.warmup --jobs 16
+step 30 python -m tileinfer.bench.cutile_warmup --jobs 16
 [ "${SKIP_TESTS:-0}" = 1 ] || step 130 python -m pytest -q -m gpu tests/gpu -n 12 -p no:cacheprovider
 [ "${SKIP_BENCH:-0}" = 1 ] || step 130 python -m tileinfer.bench.ops --backends triton,cutile --precompile 16 --budget 90 --out $R/bench
 [ "${SKIP_PROFILE:-1}" = 1 ] || step 200 python -m tileinfer.bench.profile --backends triton,cutile,torch --out $R/profile --timeout 190

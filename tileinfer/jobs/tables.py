@@ -22,7 +22,7 @@ from evals.metrics import summarize
 # Columns shown when a table is printed (all columns are saved).
 SHOWN = ["model", "quant", "smooth_keys", "ctx", "prompt_set", "backend", "kl_mean", "kl_p99",
          "kl_max", "top1_agree", "greedy_agree_len", "n_scored", "prefill_tok_s", "decode_tok_s"]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # the checkout (site-packages when installed: commit unknown)
 
 
 def git_commit() -> str:
@@ -45,7 +45,7 @@ def device_name(device: torch.device) -> str:
 
 def make_row(cfg, spec, info: dict, results: list[tuple[dict, dict]], *, ctx_tokens: int, prompt_set: str,
              model_id: str, device: torch.device, weights_bytes: int, kv_bytes: int, wall_s: float) -> dict:
-    """One table row from the :func:`tileinfer.drift.score` results of a prompt set's prompts.
+    """One table row from the :func:`tileinfer.jobs.drift.score` results of a prompt set's prompts.
 
     Statistics are taken over the positions of all prompts together; speeds are means over prompts.
     """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tileinfer.errors import UserError
+from tileinfer.core.errors import UserError
 
 # model_type -> (attention bias on q/k/v, per-head q/k RMSNorm)
 ARCHITECTURES = {

@@ -1,0 +1,1 @@
+"""Hydra configuration groups, installed as ``tileinfer.conf`` (see pyproject.toml)."""
