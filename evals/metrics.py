@@ -1,7 +1,7 @@
-"""Drift statistics of a candidate model (INT8 weights / INT8 KV cache) against its BF16 reference.
+"""Drift statistics of a candidate model (INT8 weights / INT8 KV cache) against its BF16 base.
 
 Both models read the identical token stream; at every scored position this module compares the
-reference next-token distribution P (from the BF16 logits) with the candidate's Q over the full
+base next-token distribution P (from the BF16 logits) with the candidate's Q over the full
 vocabulary, in float32. The statistics and their names follow llama.cpp's perplexity tool run with
 ``--kl-divergence`` (``tools/perplexity/perplexity.cpp``), so numbers can be read side by side:
 
@@ -16,13 +16,13 @@ kl_p90             90.0%   KLD
 kl_median          Median  KLD
 rkl_mean           (none)                         mean of KL(Q||P), nats
 top1_agree         Same top p                     fraction; llama.cpp prints percent
-ppl_ref            Mean PPL(base)                 exp(mean NLL of the stream's next tokens)
+ppl_base            Mean PPL(base)                 exp(mean NLL of the stream's next tokens)
 ppl_cand           Mean PPL(Q)
 ln_ppl_ratio       Mean ln(PPL(Q)/PPL(base))
-p_ref_mean         (none)                         mean probability of the next token under P
+p_base_mean         (none)                         mean probability of the next token under P
 p_cand_mean        (none)                         ... under Q
-dp_mean            Mean    Δp                     mean of p_cand - p_ref; llama.cpp: percent
-rms_dp             RMS Δp                         sqrt(mean((p_cand - p_ref)^2)); percent there
+dp_mean            Mean    Δp                     mean of p_cand - p_base; llama.cpp: percent
+rms_dp             RMS Δp                         sqrt(mean((p_cand - p_base)^2)); percent there
 n_positions        (none)                         number of scored positions
 =================  =============================  ==========================================
 
@@ -54,7 +54,7 @@ LLAMA_CPP_LABELS = {
     "kl_p90": "90.0%   KLD",
     "kl_median": "Median  KLD",
     "top1_agree": "Same top p",
-    "ppl_ref": "Mean PPL(base)",
+    "ppl_base": "Mean PPL(base)",
     "ppl_cand": "Mean PPL(Q)",
     "ln_ppl_ratio": "Mean ln(PPL(Q)/PPL(base))",
     "dp_mean": "Mean    Δp",
@@ -63,8 +63,8 @@ LLAMA_CPP_LABELS = {
 
 # Per-position arrays returned by position_metrics, in a fixed order.
 POSITION_KEYS = (
-    "kl", "rkl", "top1_agree", "p_ref", "p_cand", "dp", "logp_ref", "logp_cand",
-    "entropy_ref", "entropy_cand", "argmax_ref", "argmax_cand",
+    "kl", "rkl", "top1_agree", "p_base", "p_cand", "dp", "logp_base", "logp_cand",
+    "entropy_base", "entropy_cand", "argmax_base", "argmax_cand",
 )
 
 
@@ -88,12 +88,12 @@ def _weighted_sum(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.where(p > 0, p * v, torch.zeros((), dtype=p.dtype, device=p.device)).sum(dim=-1)
 
 
-def position_metrics(ref_logits: torch.Tensor, cand_logits: torch.Tensor,
+def position_metrics(base_logits: torch.Tensor, cand_logits: torch.Tensor,
                      next_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-position comparison of the reference (P) and candidate (Q) next-token distributions.
+    """Per-position comparison of the base (P) and candidate (Q) next-token distributions.
 
     Args:
-        ref_logits: ``[N, V]`` logits of the BF16 reference model, any float dtype, any device.
+        base_logits: ``[N, V]`` logits of the BF16 base model, any float dtype, any device.
         cand_logits: ``[N, V]`` logits of the candidate at the same positions.
         next_tokens: ``[N]`` int64, the token that follows each position in the shared stream
             (row ``i`` of the logits predicts ``next_tokens[i]``).
@@ -106,12 +106,12 @@ def position_metrics(ref_logits: torch.Tensor, cand_logits: torch.Tensor,
         - ``rkl``: reverse KL(Q||P), nats, float32, clamped at 0.
         - ``top1_agree``: bool, argmax P == argmax Q (llama.cpp "Same top p"). Ties resolve to the
           lowest token id, as in ``torch.argmax``.
-        - ``p_ref``, ``p_cand``: probability of ``next_tokens`` under P and Q, float32.
-        - ``dp``: ``p_cand - p_ref`` (llama.cpp's Δp), float32.
-        - ``logp_ref``, ``logp_cand``: natural-log probability of ``next_tokens`` (the negative is
+        - ``p_base``, ``p_cand``: probability of ``next_tokens`` under P and Q, float32.
+        - ``dp``: ``p_cand - p_base`` (llama.cpp's Δp), float32.
+        - ``logp_base``, ``logp_cand``: natural-log probability of ``next_tokens`` (the negative is
           the NLL that perplexity averages), float32.
-        - ``entropy_ref``, ``entropy_cand``: entropy of P and Q in nats, float32.
-        - ``argmax_ref``, ``argmax_cand``: int64 greedy tokens (see
+        - ``entropy_base``, ``entropy_cand``: entropy of P and Q in nats, float32.
+        - ``argmax_base``, ``argmax_cand``: int64 greedy tokens (see
           :func:`greedy_agreement_length`).
 
         KL is computed as ``sum_v P (x_v - y_v) - (logZ_P - logZ_Q)`` with x, y the float32 logits,
@@ -122,15 +122,15 @@ def position_metrics(ref_logits: torch.Tensor, cand_logits: torch.Tensor,
     Raises:
         ValueError: on mismatched shapes.
     """
-    if ref_logits.dim() != 2 or ref_logits.shape != cand_logits.shape:
-        raise ValueError(f"logits must both be [N, V]; got {tuple(ref_logits.shape)} and "
+    if base_logits.dim() != 2 or base_logits.shape != cand_logits.shape:
+        raise ValueError(f"logits must both be [N, V]; got {tuple(base_logits.shape)} and "
                          f"{tuple(cand_logits.shape)}")
-    next_tokens = torch.as_tensor(next_tokens, device=ref_logits.device).long()
-    if next_tokens.shape != ref_logits.shape[:1]:
-        raise ValueError(f"next_tokens must be [{ref_logits.shape[0]}]; "
+    next_tokens = torch.as_tensor(next_tokens, device=base_logits.device).long()
+    if next_tokens.shape != base_logits.shape[:1]:
+        raise ValueError(f"next_tokens must be [{base_logits.shape[0]}]; "
                          f"got {tuple(next_tokens.shape)}")
 
-    x = ref_logits.float()
+    x = base_logits.float()
     y = cand_logits.to(device=x.device, dtype=torch.float32)
     p, log_zp = _log_partition(x)
     q, log_zq = _log_partition(y)
@@ -144,25 +144,25 @@ def position_metrics(ref_logits: torch.Tensor, cand_logits: torch.Tensor,
     del d
 
     idx = next_tokens.unsqueeze(-1)
-    logp_ref = x.gather(-1, idx).squeeze(-1).double() - log_zp
+    logp_base = x.gather(-1, idx).squeeze(-1).double() - log_zp
     logp_cand = y.gather(-1, idx).squeeze(-1).double() - log_zq
-    p_ref = logp_ref.exp()
+    p_base = logp_base.exp()
     p_cand = logp_cand.exp()
-    argmax_ref = x.argmax(dim=-1)
+    argmax_base = x.argmax(dim=-1)
     argmax_cand = y.argmax(dim=-1)
 
     return {
         "kl": kl.clamp_min(0).float(),
         "rkl": rkl.clamp_min(0).float(),
-        "top1_agree": argmax_ref == argmax_cand,
-        "p_ref": p_ref.float(),
+        "top1_agree": argmax_base == argmax_cand,
+        "p_base": p_base.float(),
         "p_cand": p_cand.float(),
-        "dp": (p_cand - p_ref).float(),
-        "logp_ref": logp_ref.float(),
+        "dp": (p_cand - p_base).float(),
+        "logp_base": logp_base.float(),
         "logp_cand": logp_cand.float(),
-        "entropy_ref": ent_p.clamp_min(0).float(),
+        "entropy_base": ent_p.clamp_min(0).float(),
         "entropy_cand": ent_q.clamp_min(0).float(),
-        "argmax_ref": argmax_ref,
+        "argmax_base": argmax_base,
         "argmax_cand": argmax_cand,
     }
 
@@ -204,23 +204,23 @@ def summarize(per_position: Mapping[str, object]) -> dict[str, float]:
     prompts) to the scalar statistics of llama.cpp's ``--kl-divergence`` report.
 
     Args:
-        per_position: mapping with at least ``kl``, ``rkl``, ``top1_agree``, ``p_ref``,
-            ``p_cand``, ``logp_ref``, ``logp_cand`` (``dp`` is recomputed from the p's); each a
+        per_position: mapping with at least ``kl``, ``rkl``, ``top1_agree``, ``p_base``,
+            ``p_cand``, ``logp_base``, ``logp_cand`` (``dp`` is recomputed from the p's); each a
             1-D torch tensor or numpy array of the same length N.
 
     Returns:
         ``kl_mean, kl_median, kl_p90, kl_p99, kl_p999, kl_max`` (nats; percentiles as
         :func:`percentile`), ``rkl_mean`` (nats), ``top1_agree`` (fraction 0..1),
-        ``ppl_ref, ppl_cand`` (exp of the mean NLL of the next tokens), ``ln_ppl_ratio``
-        (``ln(ppl_cand / ppl_ref)``), ``p_ref_mean, p_cand_mean, dp_mean`` (probabilities 0..1),
-        ``rms_dp`` (root mean square of ``p_cand - p_ref``, 0..1) and ``n_positions``. All float,
+        ``ppl_base, ppl_cand`` (exp of the mean NLL of the next tokens), ``ln_ppl_ratio``
+        (``ln(ppl_cand / ppl_base)``), ``p_base_mean, p_cand_mean, dp_mean`` (probabilities 0..1),
+        ``rms_dp`` (root mean square of ``p_cand - p_base``, 0..1) and ``n_positions``. All float,
         computed in float64. llama.cpp prints top-1 agreement and the Δp statistics in percent.
 
     Raises:
         ValueError: if there are no positions or the arrays differ in length.
     """
     a = {k: _to_numpy(per_position[k]).ravel() for k in
-         ("kl", "rkl", "top1_agree", "p_ref", "p_cand", "logp_ref", "logp_cand")}
+         ("kl", "rkl", "top1_agree", "p_base", "p_cand", "logp_base", "logp_cand")}
     n = a["kl"].size
     if n == 0:
         raise ValueError("no scored positions to summarize")
@@ -228,10 +228,10 @@ def summarize(per_position: Mapping[str, object]) -> dict[str, float]:
         sizes = {k: v.size for k, v in a.items()}
         raise ValueError(f"per-position arrays differ in length: {sizes}")
     kl = a["kl"].astype(np.float64)
-    p_ref = a["p_ref"].astype(np.float64)
+    p_base = a["p_base"].astype(np.float64)
     p_cand = a["p_cand"].astype(np.float64)
-    dp = p_cand - p_ref
-    nll_ref = -float(np.mean(a["logp_ref"], dtype=np.float64))
+    dp = p_cand - p_base
+    nll_base = -float(np.mean(a["logp_base"], dtype=np.float64))
     nll_cand = -float(np.mean(a["logp_cand"], dtype=np.float64))
     return {
         "kl_mean": float(kl.mean()),
@@ -242,10 +242,10 @@ def summarize(per_position: Mapping[str, object]) -> dict[str, float]:
         "kl_max": float(kl.max()),
         "rkl_mean": float(np.mean(a["rkl"], dtype=np.float64)),
         "top1_agree": float(np.mean(a["top1_agree"].astype(np.float64))),
-        "ppl_ref": math.exp(nll_ref),
+        "ppl_base": math.exp(nll_base),
         "ppl_cand": math.exp(nll_cand),
-        "ln_ppl_ratio": nll_cand - nll_ref,
-        "p_ref_mean": float(p_ref.mean()),
+        "ln_ppl_ratio": nll_cand - nll_base,
+        "p_base_mean": float(p_base.mean()),
         "p_cand_mean": float(p_cand.mean()),
         "dp_mean": float(dp.mean()),
         "rms_dp": float(np.sqrt(np.mean(dp * dp))),
@@ -263,11 +263,11 @@ class MetricsAccumulator:
     def __init__(self) -> None:
         self._parts: dict[str, list[torch.Tensor]] = {k: [] for k in POSITION_KEYS}
 
-    def add(self, ref_logits: torch.Tensor, cand_logits: torch.Tensor,
+    def add(self, base_logits: torch.Tensor, cand_logits: torch.Tensor,
             next_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """Score one chunk (shapes as :func:`position_metrics`); returns its per-position dict
         (on the logits' device) and keeps a CPU copy."""
-        m = position_metrics(ref_logits, cand_logits, next_tokens)
+        m = position_metrics(base_logits, cand_logits, next_tokens)
         self.extend(m)
         return m
 
@@ -290,7 +290,7 @@ def greedy_agreement_length(cand_logits_argmax, reply_tokens) -> int:
 
     Args:
         cand_logits_argmax: ``[N]`` int, argmax of the candidate's logits at the N positions that
-            predict the reply tokens, teacher-forced on the reference stream (prompt + BF16
+            predict the reply tokens, teacher-forced on the base stream (prompt + BF16
             greedy reply): element ``i`` comes from the position just before ``reply_tokens[i]``,
             i.e. the ``argmax_cand`` of :func:`position_metrics` over the scored positions.
         reply_tokens: ``[N]`` int, the BF16 model's greedy reply.
@@ -300,7 +300,7 @@ def greedy_agreement_length(cand_logits_argmax, reply_tokens) -> int:
 
     Why no second generation is needed: the candidate's free-running greedy decode emits
     ``argmax`` of its logits given the prompt plus its own earlier tokens. As long as those earlier
-    tokens equal the reference reply, its input is exactly the teacher-forced input, so its next
+    tokens equal the base reply, its input is exactly the teacher-forced input, so its next
     token is exactly ``cand_logits_argmax[i]``. The first index where that differs from
     ``reply_tokens[i]`` is therefore where the free-running candidate reply diverges. This holds
     when the candidate's logits do not depend on how the positions are batched (prefill vs. one

@@ -3,13 +3,14 @@
 - :mod:`quantize.weights`: weight-only INT8, one scale per output channel.
 - :mod:`quantize.smoothing`: calibrated power-of-two key scales for an INT8 KV cache (QServe's
   SmoothAttention), folded into the q/k weights.
-- :mod:`quantize.spec`: :class:`QuantSpec` and :func:`apply`, the in-memory entry point.
+- :mod:`quantize.scheme`: :class:`QuantScheme` and :func:`apply`, the in-memory entry point.
 - :mod:`quantize.checkpoint`: quantized checkpoint folders; ``python -m quantize`` writes one.
 
 This package imports the engine (``tileinfer``); the engine never imports it.
 """
 
 from quantize.checkpoint import kv_int8_of, quantization_config, write_checkpoint
-from quantize.spec import QuantSpec, apply
+from quantize.scheme import DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantScheme, apply
+from quantize.smoothing import DEFAULT_ALPHA
 
-__all__ = ["QuantSpec", "apply", "kv_int8_of", "quantization_config", "write_checkpoint"]
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_CALIBRATION_TOKENS", "PRECISIONS", "QuantScheme", "apply", "kv_int8_of", "quantization_config", "write_checkpoint"]

@@ -16,7 +16,7 @@ from tileinfer.core.errors import exit_on_user_error
 from tileinfer.core.fetch import pull
 
 from quantize.checkpoint import WEIGHTS_FILE, check_out, quantization_config, write_checkpoint
-from quantize.spec import DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantSpec, apply
+from quantize.scheme import DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantScheme, apply
 from quantize.smoothing import DEFAULT_ALPHA
 
 PROG = "python -m quantize"
@@ -46,7 +46,7 @@ def _mb(n: int) -> str:
 def run(args: argparse.Namespace) -> None:
     """Quantize and write; raises UserError for the user's mistakes."""
     start = time.perf_counter()
-    spec = QuantSpec(args.weights, args.kv_cache, args.smooth_keys, args.smooth_alpha, args.calibration,
+    spec = QuantScheme(args.weights, args.kv_cache, args.smooth_keys, args.smooth_alpha, args.calibration,
                      args.calibration_tokens)
     out = args.out
     check_out(out, args.force)  # before any work

@@ -29,7 +29,7 @@ from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.errors import UserError
 from tileinfer.models.transformer import SCALE_SUFFIX
 
-from quantize.spec import BUILTIN_CALIBRATION, calibration_text
+from quantize.scheme import BUILTIN_CALIBRATION, calibration_text
 
 QUANT_METHOD = "tileinfer-int8"
 WEIGHTS_FILE = "model.safetensors"

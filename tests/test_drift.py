@@ -25,10 +25,10 @@ def runner(poison_layer: int | None = None) -> ModelRunner:
 
 def test_non_finite_logits_stop_the_scoring_pass():
     stream = drift.Stream(tuple(range(1, 61)), 40)
-    ref = drift.reference_logits(runner(), stream)
+    ref = drift.full_logits(runner(), stream)
     assert torch.isfinite(ref.logits).all() and ref.logits.shape == (20, 256)
     with pytest.raises(NonFiniteLogits, match="non-finite logits"):
-        drift.reference_logits(runner(poison_layer=1), stream)
+        drift.full_logits(runner(poison_layer=1), stream)
     with pytest.raises(NonFiniteLogits):
         drift.score(runner(poison_layer=0), ref, decode_steps=0)
 
@@ -36,7 +36,7 @@ def test_non_finite_logits_stop_the_scoring_pass():
 def test_a_saved_reply_is_reused_and_a_damaged_one_is_not(tmp_path):
     r, prompt, cache = runner(), list(range(1, 41)), tmp_path / "edit0.json"
     assert drift.load_stream(cache, prompt, 8) is None
-    first = drift.reference_stream(r, prompt, 8, stop_ids=set())
+    first = drift.base_stream(r, prompt, 8, stop_ids=set())
     drift.save_stream(first, 8, cache)
     assert drift.load_stream(cache, prompt, 8) == first
     assert drift.load_stream(cache, prompt[1:], 8) is None and drift.load_stream(cache, prompt, 9) is None

@@ -8,17 +8,18 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from evals.references import TopKReference
+from evals.base_logits import TopKLogits
 from tests import faults
 from tileinfer.jobs import drift
 from tileinfer import gate
+from tileinfer.jobs.schema import GateSettings
 from tileinfer.core.errors import UserError
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.models import Transformer
 from tileinfer.engine.runner import ModelRunner
 
 GATE = OmegaConf.load("conf/gate.yaml").gate
-STORED = "evals/references/smollm2-135m/reference-bf16-nosmooth-{}0-ctx1024-n128.topk"
+STORED = "evals/base_logits/smollm2-135m/reference-bf16-nosmooth-{}0-ctx1024-n128.topk"
 SETS = ("edit", "explain")
 
 
@@ -44,14 +45,14 @@ def failed(verdicts):
 
 @pytest.fixture(scope="module")
 def stored():
-    return {s: TopKReference.load(STORED.format(s)) for s in SETS}
+    return {s: TopKLogits.load(STORED.format(s)) for s in SETS}
 
 
 @pytest.fixture(scope="module")
 def int8_kv_refs(smollm2, stored):
     """Live references of the INT8-KV configuration on the stored streams (the scale fault needs them)."""
     runner = ModelRunner(smollm2, kv_int8=True, max_seq_len=1152)
-    return {s: drift.reference_logits(runner, drift.Stream(tuple(int(t) for t in r.tokens), r.prompt_len))
+    return {s: drift.full_logits(runner, drift.Stream(tuple(int(t) for t in r.tokens), r.prompt_len))
             for s, r in stored.items()}
 
 
@@ -75,9 +76,11 @@ def test_wrong_kv_scale_on_one_head_fails_the_gate(smollm2, int8_kv_refs):
 
 
 def row(**kw):
-    base = dict(model="m", model_sha256="s", quant="int8_both", smooth_keys=True, ctx_tokens=1024, prompt_set="edit",
-                backend="reference", dtype="bfloat16", kv_cache="int8", reference="stored:reference/bf16-nosmooth",
-                n_scored=128, kl_mean=3.8e-3, kl_p999=3.7e-2, top1_agree=0.97, kernel=False)
+    base = dict(model="m", model_sha256="s", quant="int8_both", weights="int8", kv_cache="int8", smooth_keys=True,
+                smooth_alpha=0.5, calibration_tokens=2048, dtype="bfloat16", backend="reference", spec="none",
+                ctx="1k", ctx_tokens=1024, prompt_set="edit", n_score=128, base="stored:reference/bf16-nosmooth",
+                top_k=64, page_size=64, prefill_chunk=512, n_scored=128, kl_mean=3.8e-3, kl_p999=3.7e-2,
+                top1_agree=0.97, kernel=False)
     return base | kw
 
 
@@ -95,7 +98,7 @@ def test_baseline_checks_and_verdict_table():
 
 def run_gate(*args):
     cmd = [sys.executable, "-m", "tileinfer.gate", "model=smollm2-135m", "ctx=1k", "eval.n_score=128",
-           "reference.source=stored", "speed.decode_tokens=4", *args]
+           "base.source=stored", "speed.decode_tokens=4", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
 
 
@@ -109,7 +112,7 @@ def test_cli_exit_codes(tmp_path, smollm2_gguf):
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "FAIL" in bad.stdout and "kl_mean" in bad.stdout
     assert run_gate("quant=no_such_quant", runs).returncode == 2
-    assert run_gate("reference.source=nowhere", runs).returncode == 2
+    assert run_gate("base.source=nowhere", runs).returncode == 2
     bad_bound = run_gate("gate.bounds.bfloat16.kl_mean=abc", runs)
     assert bad_bound.returncode == 2 and "Traceback" not in bad_bound.stderr, bad_bound.stderr
 
@@ -121,8 +124,8 @@ def test_bad_gate_settings_are_usage_errors(key, value):
     g = OmegaConf.load("conf/gate.yaml").gate
     OmegaConf.update(g, key, value, force_add=True, merge=False)
     with pytest.raises(UserError, match="gate."):
-        gate.check_gate_settings(g)
-    gate.check_gate_settings(OmegaConf.load("conf/gate.yaml").gate)  # the shipped settings are valid
+        GateSettings(**OmegaConf.to_container(g))
+    GateSettings(**OmegaConf.to_container(OmegaConf.load("conf/gate.yaml").gate))  # the shipped settings are valid
 
 
 def test_update_baseline_writes_only_when_asked(tmp_path, smollm2_gguf):
@@ -141,6 +144,6 @@ def test_update_baseline_writes_only_when_asked(tmp_path, smollm2_gguf):
     assert pl.read_parquet(base)["quant"].sort().to_list() == ["bf16", "bf16", "int8_both", "int8_both"]
     base.write_bytes(b"not parquet")
     assert run_gate(*args).returncode == 2
-    # kernel checks only, but the candidate's quant config is not the reference's
+    # kernel checks only, but the candidate's quant config is not the base's
     mixed = run_gate("quant=int8_both", "gate.baseline=null", f"runs_dir={tmp_path}")
-    assert mixed.returncode == 2 and "reference.quant=same" in mixed.stderr
+    assert mixed.returncode == 2 and "base.quant=same" in mixed.stderr

@@ -41,9 +41,9 @@ def test_kl_entropy_match_scipy_on_hand_made_distributions(p, q):
     assert kl == pytest.approx(rel_entr(p64, q64).sum(), rel=1e-12)
     assert m["kl"].item() == pytest.approx(kl, rel=1e-5, abs=1e-7)
     assert m["rkl"].item() == pytest.approx(rkl, rel=1e-5, abs=1e-7)
-    assert m["entropy_ref"].item() == pytest.approx(entropy(p64), rel=1e-5, abs=1e-6)
+    assert m["entropy_base"].item() == pytest.approx(entropy(p64), rel=1e-5, abs=1e-6)
     assert m["entropy_cand"].item() == pytest.approx(entropy(q64), rel=1e-5, abs=1e-6)
-    assert m["p_ref"].item() == pytest.approx(p64[0], rel=1e-5)
+    assert m["p_base"].item() == pytest.approx(p64[0], rel=1e-5)
     assert m["p_cand"].item() == pytest.approx(q64[0], rel=1e-5)
 
 
@@ -52,7 +52,7 @@ def test_hand_made_values_are_the_textbook_ones():
     m = position_metrics(_logits_from_probs([[0.5, 0.5]]), _logits_from_probs([[0.25, 0.75]]),
                          torch.tensor([1]))
     assert m["kl"].item() == pytest.approx(0.5 * np.log(2) + 0.5 * np.log(2 / 3), rel=1e-6)
-    assert m["entropy_ref"].item() == pytest.approx(np.log(2), rel=1e-6)
+    assert m["entropy_base"].item() == pytest.approx(np.log(2), rel=1e-6)
     assert m["p_cand"].item() == pytest.approx(0.75, rel=1e-6)
     assert m["dp"].item() == pytest.approx(0.25, rel=1e-5)
     assert not m["top1_agree"].item()  # argmax P = 0 (tie, lowest id), argmax Q = 1
@@ -63,7 +63,7 @@ def test_infinite_kl_where_candidate_has_zero_probability():
     m = position_metrics(_logits_from_probs([p]), _logits_from_probs([q]), torch.tensor([0]))
     assert np.isinf(m["kl"].item()) and np.isinf(entropy(p, q))
     assert m["rkl"].item() == pytest.approx(entropy(q, p), rel=1e-6)  # = ln 2, zeros skipped
-    assert not torch.isnan(torch.stack([m[k].float() for k in ("kl", "rkl", "entropy_ref")])).any()
+    assert not torch.isnan(torch.stack([m[k].float() for k in ("kl", "rkl", "entropy_base")])).any()
 
 
 @pytest.mark.parametrize("vocab,scale", [(1000, 1.0), (32000, 0.3), (151936, 0.05)])
@@ -77,16 +77,16 @@ def test_random_logits_match_scipy(vocab, scale):
     p, q = _softmax64(ref), _softmax64(cand)
     np.testing.assert_allclose(m["kl"].numpy(), entropy(p, q, axis=-1), rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(m["rkl"].numpy(), entropy(q, p, axis=-1), rtol=1e-4, atol=1e-7)
-    np.testing.assert_allclose(m["entropy_ref"].numpy(), entropy(p, axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(m["entropy_base"].numpy(), entropy(p, axis=-1), rtol=1e-5)
     np.testing.assert_allclose(m["entropy_cand"].numpy(), entropy(q, axis=-1), rtol=1e-5)
     rows = np.arange(n)
-    np.testing.assert_allclose(m["p_ref"].numpy(), p[rows, tokens], rtol=1e-5)
+    np.testing.assert_allclose(m["p_base"].numpy(), p[rows, tokens], rtol=1e-5)
     np.testing.assert_allclose(m["p_cand"].numpy(), q[rows, tokens], rtol=1e-5)
     np.testing.assert_allclose(m["dp"].numpy(), q[rows, tokens] - p[rows, tokens], atol=1e-9)
-    np.testing.assert_allclose(m["logp_ref"].numpy(), np.log(p[rows, tokens]), rtol=1e-5)
+    np.testing.assert_allclose(m["logp_base"].numpy(), np.log(p[rows, tokens]), rtol=1e-5)
     np.testing.assert_array_equal(m["top1_agree"].numpy(), p.argmax(-1) == q.argmax(-1))
     np.testing.assert_array_equal(m["argmax_cand"].numpy(), q.argmax(-1))
-    for k in ("kl", "rkl", "p_ref", "dp", "logp_cand", "entropy_ref"):
+    for k in ("kl", "rkl", "p_base", "dp", "logp_cand", "entropy_base"):
         assert m[k].dtype == torch.float32 and m[k].shape == (n,)
     assert m["top1_agree"].dtype == torch.bool
 
@@ -168,10 +168,10 @@ def test_summarize_matches_numpy():
     assert s["rkl_mean"] == pytest.approx(entropy(q, p, axis=-1).mean(), rel=1e-5)
     assert s["top1_agree"] == pytest.approx(np.mean(p.argmax(-1) == q.argmax(-1)), abs=1e-12)
     assert 0.0 < s["top1_agree"] < 1.0  # the data exercises both outcomes
-    assert s["ppl_ref"] == pytest.approx(np.exp(-np.log(p[rows, tok]).mean()), rel=1e-5)
+    assert s["ppl_base"] == pytest.approx(np.exp(-np.log(p[rows, tok]).mean()), rel=1e-5)
     assert s["ppl_cand"] == pytest.approx(np.exp(-np.log(q[rows, tok]).mean()), rel=1e-5)
-    assert s["ln_ppl_ratio"] == pytest.approx(np.log(s["ppl_cand"] / s["ppl_ref"]), rel=1e-9)
-    assert s["p_ref_mean"] == pytest.approx(p[rows, tok].mean(), rel=1e-5)
+    assert s["ln_ppl_ratio"] == pytest.approx(np.log(s["ppl_cand"] / s["ppl_base"]), rel=1e-9)
+    assert s["p_base_mean"] == pytest.approx(p[rows, tok].mean(), rel=1e-5)
     assert s["p_cand_mean"] == pytest.approx(q[rows, tok].mean(), rel=1e-5)
     assert s["dp_mean"] == pytest.approx(dp.mean(), rel=1e-4, abs=1e-9)
     assert s["rms_dp"] == pytest.approx(np.sqrt(np.mean(dp ** 2)), rel=1e-5)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize import QuantSpec, apply, kv_int8_of, quantization_config, write_checkpoint
+from quantize import QuantScheme, apply, kv_int8_of, quantization_config, write_checkpoint
 from quantize.weights import BLOCK_LINEARS, quantize_weights
 from tests.tiny_models import make_tiny
 from tileinfer.core.checkpoint import load_checkpoint
@@ -160,7 +160,7 @@ def test_cli_checkpoint_reloads_with_identical_logits(tiny_with_tokenizer, tmp_p
     assert saved.eos_token_ids == orig.eos_token_ids and saved.bos_token_id == orig.bos_token_id
 
     source = load_checkpoint(src)
-    in_memory, _ = apply(source, None, QuantSpec("int8", "int8"), Tokenizer.load(src))
+    in_memory, _ = apply(source, None, QuantScheme("int8", "int8"), Tokenizer.load(src))
     ids = torch.randint(0, ck.config.vocab_size, (100,), generator=torch.Generator().manual_seed(3))
     from_disk = Transformer.from_state_dict(ck.config, ck.state_dict)
     from_memory = Transformer.from_state_dict(source.config, in_memory)
@@ -188,7 +188,7 @@ def test_cli_user_errors_exit_1(tiny_with_tokenizer, tmp_path):
 def test_write_checkpoint_atomic_and_force(tmp_path):
     make_tiny("llama", tmp_path / "src")
     ck = load_checkpoint(tmp_path / "src")
-    sd, info = apply(ck, None, QuantSpec("int8", "bf16"), tokenizer=None)
+    sd, info = apply(ck, None, QuantScheme("int8", "bf16"), tokenizer=None)
     qc = quantization_config(info)
     assert qc == {"quant_method": "tileinfer-int8", "weights": "int8", "kv_cache": "bf16", "smooth_keys": False}
     out = tmp_path / "out"

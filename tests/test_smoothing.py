@@ -7,7 +7,7 @@ with a few key channels inflated 16x so there are outliers for the smoothing to 
 import pytest
 import torch
 
-from quantize import QuantSpec, apply
+from quantize import QuantScheme, apply
 from quantize.smoothing import K_SMOOTH, key_absmax, key_score_error, smoothing_scales
 from tests.tiny_models import make_tiny
 from tileinfer.core.checkpoint import load_checkpoint
@@ -49,7 +49,7 @@ def tiny(request, tmp_path_factory):
     hf = make_tiny(request.param, folder)
     ck = load_checkpoint(folder)
     sd = with_outliers(ck.state_dict, ck.config)
-    smoothed, info = apply(sd, ck.config, QuantSpec("bf16", "int8"), ByteTokenizer(ck.config.vocab_size))
+    smoothed, info = apply(sd, ck.config, QuantScheme("bf16", "int8"), ByteTokenizer(ck.config.vocab_size))
     return hf, ck.config, sd, smoothed, info
 
 
@@ -163,8 +163,8 @@ def test_smoothing_commutes_with_int8_weights(tiny):
     """Scaling rows by 2^n before quantizing gives the same int8 values and scales / 2^n: still exact."""
     _, config, sd, _, _ = tiny
     tok = ByteTokenizer(config.vocab_size)
-    a, _ = apply(sd, config, QuantSpec("int8", "int8"), tok)
-    b, _ = apply(sd, config, QuantSpec("int8", "int8", smooth_keys=False), tok)
+    a, _ = apply(sd, config, QuantScheme("int8", "int8"), tok)
+    b, _ = apply(sd, config, QuantScheme("int8", "int8", smooth_keys=False), tok)
     ids = torch.randint(0, config.vocab_size, (80,), generator=torch.Generator().manual_seed(4)).tolist()
     assert torch.equal(run(Transformer.from_state_dict(config, a), ids)[0],
                        run(Transformer.from_state_dict(config, b), ids)[0])
@@ -172,8 +172,8 @@ def test_smoothing_commutes_with_int8_weights(tiny):
 
 def test_nothing_folded_without_int8_cache(tiny):
     _, config, sd, _, _ = tiny
-    for spec in (QuantSpec("bf16", "bf16"), QuantSpec("int8", "bf16", smooth_keys=True),
-                 QuantSpec("bf16", "int8", smooth_keys=False)):
+    for spec in (QuantScheme("bf16", "bf16"), QuantScheme("int8", "bf16", smooth_keys=True),
+                 QuantScheme("bf16", "int8", smooth_keys=False)):
         out, info = apply(sd, config, spec, tokenizer=None)
         assert info["key_scales"] is None and info["calibration_tokens"] == 0
         assert not any(name.endswith("k_smooth") for name in out)
@@ -181,20 +181,20 @@ def test_nothing_folded_without_int8_cache(tiny):
 
 
 def test_spec_effective_and_errors():
-    assert QuantSpec("int8", "bf16", smooth_alpha=0.9).effective() == QuantSpec("int8", "bf16", smooth_keys=False)
-    assert QuantSpec("int8", "int8", smooth_alpha=0.9).effective().smooth_alpha == 0.9
-    assert QuantSpec("bf16", "bf16").is_reference() and not QuantSpec("bf16", "int8").is_reference()
+    assert QuantScheme("int8", "bf16", smooth_alpha=0.9).effective() == QuantScheme("int8", "bf16", smooth_keys=False)
+    assert QuantScheme("int8", "int8", smooth_alpha=0.9).effective().smooth_alpha == 0.9
+    assert QuantScheme("bf16", "bf16").is_unquantized() and not QuantScheme("bf16", "int8").is_unquantized()
     for bad in (dict(weights="int4", kv_cache="bf16"), dict(weights="int8", kv_cache="fp8"),
                 dict(weights="int8", kv_cache="int8", smooth_alpha=1.5),
                 dict(weights="int8", kv_cache="int8", calibration_tokens=0)):
         with pytest.raises(UserError):
-            QuantSpec(**bad)
+            QuantScheme(**bad)
 
 
 def test_smoothing_needs_tokenizer_and_calibration_file(tiny, tmp_path):
     _, config, sd, _, _ = tiny
     with pytest.raises(UserError, match="tokenizer"):
-        apply(sd, config, QuantSpec("bf16", "int8"), tokenizer=None)
+        apply(sd, config, QuantScheme("bf16", "int8"), tokenizer=None)
     with pytest.raises(UserError, match="does not exist"):
-        apply(sd, config, QuantSpec("bf16", "int8", calibration=str(tmp_path / "nope.txt")),
+        apply(sd, config, QuantScheme("bf16", "int8", calibration=str(tmp_path / "nope.txt")),
               ByteTokenizer(config.vocab_size))

@@ -60,7 +60,7 @@ def test_smoothing_switch_makes_a_separate_row(runs):
 @pytest.mark.parametrize("override,message", [
     (["ctx=32k"], "exceeds the context of smollm2-135m"),
     (["model=no-such-model"], "no-such-model"),
-    (["quant.weights=int4"], "weights must be one of"),
+    (["quant.weights=int4"], "quant.weights=int4: expected one of bf16, int8"),
 ])
 def test_user_errors_are_one_line_and_nonzero(tmp_path, override, message):
     out = sweep(tmp_path, *override, check=False)

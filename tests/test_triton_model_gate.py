@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from quantize import QuantSpec, apply
+from quantize import QuantScheme, apply
 from tileinfer.jobs import drift
 from tileinfer import gate
 from tileinfer.core.checkpoint import Checkpoint
@@ -27,12 +27,12 @@ TINY = dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_si
 def test_triton_model_passes_the_gate_against_the_reference_backend(dtype, quant):
     int8 = quant == "int8_both"
     ck = Checkpoint(None, ModelConfig.from_hf(TINY), TINY, random_state_dict(TINY, seed=0, dtype=dtype))
-    sd = apply(ck, None, QuantSpec("int8", "int8", smooth_keys=False))[0] if int8 else ck.state_dict
+    sd = apply(ck, None, QuantScheme("int8", "int8", smooth_keys=False))[0] if int8 else ck.state_dict
     model = Transformer.from_state_dict(ck.config, sd, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     stream = drift.Stream(tuple(torch.randint(0, TINY["vocab_size"], (96,), generator=g).tolist()), 64)
     kw = dict(kv_int8=int8, max_seq_len=128, page_size=16, prefill_chunk=48)  # chunks across pages
-    ref = drift.reference_logits(ModelRunner(model, "reference", **kw), stream)
+    ref = drift.full_logits(ModelRunner(model, "reference", **kw), stream)
     stats, _ = drift.score(ModelRunner(model, "triton", **kw), ref, decode_steps=2)
     row = dict(stats, prompt_set="random", dtype=str(dtype).removeprefix("torch."), kv_cache="int8" if int8 else "bf16")
     assert [v for v in gate.kernel_checks(row, GATE) if v["verdict"] == gate.FAIL] == [], stats

@@ -1,14 +1,14 @@
 """Drift gate: fail a kernel, backend or quantization change that moves the output distribution.
 
-    python -m tileinfer.gate model=smollm2-135m reference.source=stored            # engine vs stored BF16 reference
-    python -m tileinfer.gate backend=triton reference.backend=reference reference.quant=same
+    python -m tileinfer.gate model=smollm2-135m base.source=stored            # engine vs stored BF16 base logits
+    python -m tileinfer.gate backend=triton base.backend=reference base.quant=same
     python -m tileinfer.gate quant=int8_both                                         # INT8 vs BF16, against the baseline
     python -m tileinfer.gate quant=int8_both --update-baseline                       # accept the current numbers
 
 The candidate configuration is scored afresh (rows go to a new folder under runs/gate/) against its
-reference (see ``reference`` in conf/config.yaml), then checked:
+base (see ``BaseSettings`` in tileinfer/jobs/schema.py), then checked:
 
-- kernel checks, when candidate and reference share the quant config (only the backend or the code
+- kernel checks, when candidate and base share the quant config (only the backend or the code
   differs): mean KL, 99.9% KL and top-1 agreement against bounds fitted to the model dtype and KV
   cache (``gate.bounds``: about twice the drift of a valid reimplementation, measured);
 - baseline checks, for every configuration: mean and 99.9% KL no more than ``gate.max_increase``
@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import sys
 import traceback
-from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 
 import hydra
 import polars as pl
 from omegaconf import DictConfig
 
-from tileinfer.jobs import job, tables
+from tileinfer.jobs import identity, job, schema, tables
+from tileinfer.jobs.schema import Config
 from tileinfer.core.errors import NonFiniteLogits, UserError, check_runs_dir, exit_on_user_error
 
-# Columns that identify "the same configuration" in a baseline table.
-KEY = ["model", "model_sha256", "quant", "smooth_keys", "smooth_alpha", "calibration_tokens", "ctx_tokens",
-       "prompt_set", "backend", "dtype", "reference", "n_scored"]
 PASS, FAIL = "PASS", "FAIL"
 _outcome: list[int] = []  # exit code decided by the gate (absent: Hydra or a usage error ended the run)
 
@@ -58,7 +56,7 @@ def bounds_for(row: dict, gate) -> dict:
 
 
 def kernel_checks(row: dict, gate) -> list[dict]:
-    """Candidate vs a reference with the same quant config: mean KL, 99.9% KL, top-1 agreement."""
+    """Candidate vs a base with the same quant config: mean KL, 99.9% KL, top-1 agreement."""
     b, ps = bounds_for(row, gate), row["prompt_set"]
     return [_verdict("kernel", ps, "kl_mean", None, row["kl_mean"], b["kl_mean"]),
             _verdict("kernel", ps, "kl_p999", None, row["kl_p999"], b["kl_p999"]),
@@ -78,9 +76,9 @@ def baseline_checks(row: dict, base: dict | None, gate) -> list[dict]:
     return out
 
 
-def _same_config(row: dict, columns) -> pl.Expr:
-    """Baseline rows of ``row``'s configuration (``KEY`` columns equal, nulls equal to nulls)."""
-    return pl.all_horizontal([pl.col(k).eq_missing(row[k]) for k in KEY if k in columns])
+def _same_config(row: dict) -> pl.Expr:
+    """Baseline rows of ``row``'s configuration (identity.DRIFT columns equal, nulls equal to nulls)."""
+    return pl.all_horizontal([pl.col(k).eq_missing(row[k]) for k in identity.DRIFT])
 
 
 def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl.DataFrame:
@@ -88,7 +86,7 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
 
     Args:
         candidate: sweep rows (tileinfer.jobs.tables.make_row) with a ``kernel`` bool column (True when
-            candidate and reference share the quant config, so only kernels or code differ).
+            candidate and base share the quant config, so only kernels or code differ).
         baseline: earlier rows, or None.
         gate: the ``gate`` config: ``bounds``, ``max_increase``, ``floor``, ``max_top1_drop``.
 
@@ -103,7 +101,7 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
             out += kernel_checks(r, gate)
         base = None
         if baseline is not None and not baseline.is_empty():
-            match = baseline.filter(_same_config(r, baseline.columns))
+            match = baseline.filter(_same_config(r))
             base = match.row(0, named=True) if len(match) else None
         out += baseline_checks(r, base, gate)
     return pl.DataFrame(out, schema={"check": pl.String, "prompt_set": pl.String, "metric": pl.String,
@@ -113,10 +111,14 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
 
 def update_baseline(path: Path, candidate: pl.DataFrame) -> None:
     """Replace the rows of ``candidate``'s configurations in the baseline table (atomically)."""
-    keep = pl.read_parquet(path) if path.exists() else None
+    keep = tables.upgrade(pl.read_parquet(path)) if path.exists() else None
+    missing = [k for k in identity.DRIFT if keep is not None and k not in keep.columns]
+    if missing:  # rows recorded before these identity columns existed cannot be matched: replaced whole
+        print(f"baseline: dropped {len(keep)} row(s) recorded without the {', '.join(missing)} column(s)")
+        keep = None
     # null-safe matching: smooth_alpha is null on bf16 rows, so the column may be typed Null
     for r in candidate.iter_rows(named=True) if keep is not None else ():
-        keep = keep.filter(~_same_config(r, keep.columns))
+        keep = keep.filter(~_same_config(r))
     df = candidate if keep is None or keep.is_empty() else pl.concat([keep, candidate], how="diagonal_relaxed")
     tables.atomic_parquet(df, path)
 
@@ -127,20 +129,20 @@ def print_verdicts(v: pl.DataFrame) -> None:
         print(v)
 
 
-def read_baseline(cfg: DictConfig, kernel: bool) -> pl.DataFrame | None:
+def read_baseline(cfg: Config, kernel: bool) -> pl.DataFrame | None:
     """The baseline table the gate compares with (None with ``gate.baseline=null`` or when it is about
     to be written by ``--update-baseline``).
 
     Raises:
         UserError: kernel checks only (``gate.baseline=null``) for a candidate whose quant config
-            differs from the reference's; a baseline file that is missing or not Parquet.
+            differs from the base's; a baseline file that is missing or not Parquet.
     """
     if cfg.gate.baseline is None:
         if cfg.gate.update_baseline:
             raise UserError("--update-baseline needs a baseline file, but gate.baseline=null")
         if not kernel:
             raise UserError("gate.baseline=null leaves only the kernel checks, which compare a candidate "
-                            "with a reference of the same quant config: add reference.quant=same")
+                            "with a base of the same quant config: add base.quant=same")
         return None
     path = Path(cfg.gate.baseline)
     if not path.exists():
@@ -149,41 +151,29 @@ def read_baseline(cfg: DictConfig, kernel: bool) -> pl.DataFrame | None:
         raise UserError(f"no baseline table {path}: record one with --update-baseline, "
                         "or check kernels only with gate.baseline=null")
     try:
-        table = pl.read_parquet(path)
+        table = tables.upgrade(pl.read_parquet(path))
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
         raise UserError(f"baseline {path} is not a readable Parquet table ({type(e).__name__})") from None
-    missing = [k for k in ("model", "quant", "prompt_set", "kl_mean") if k not in table.columns]
+    if not {"model", "quant", "prompt_set", "kl_mean"} <= set(table.columns):
+        raise UserError(f"baseline {path} is not a table of sweep rows")
+    if cfg.gate.update_baseline:  # update_baseline() rewrites it, replacing rows it cannot match
+        return None
+    missing = [k for k in identity.DRIFT if k not in table.columns]
     if missing:
-        raise UserError(f"baseline {path} is not a table of sweep rows (no {', '.join(missing)} column)")
+        raise UserError(f"baseline {path} predates the {', '.join(missing)} column(s): record it again with "
+                        "--update-baseline")
     return table
 
 
-def check_gate_settings(gate) -> None:
-    """Raise UserError for a bound, margin or floor of ``gate`` that is not a number in its range
-    (checked before any scoring)."""
-    if not isinstance(gate.get("bounds"), Mapping) or not gate.bounds:
-        raise UserError("gate.bounds: expected bounds per setup, e.g. gate.bounds.bfloat16.kl_mean=1e-3")
-    for setup, b in gate.bounds.items():
-        for metric, hi in (("kl_mean", None), ("kl_p999", None), ("top1_agree", 1.0)):
-            job.check_number(f"gate.bounds.{setup}.{metric}", b.get(metric) if isinstance(b, Mapping) else None,
-                             lo=0.0, hi=hi)
-    job.check_number("gate.max_increase", gate.get("max_increase"), lo=-1.0)  # < 0 demands an improvement
-    job.check_number("gate.max_top1_drop", gate.get("max_top1_drop"), lo=0.0, hi=1.0)
-    floor = gate.get("floor")
-    for metric in ("kl_mean", "kl_p999"):
-        job.check_number(f"gate.floor.{metric}", floor.get(metric) if isinstance(floor, Mapping) else None, lo=0.0)
-
-
-def run_gate(cfg: DictConfig) -> int:
+def run_gate(cfg: Config) -> int:
     """Score the candidate afresh, check it, print the verdict table; return the exit code."""
-    check_gate_settings(cfg.gate)
     j = job.resolve(cfg)
-    baseline = read_baseline(cfg, kernel=j.spec == j.ref_spec)  # usage errors before minutes of scoring
+    baseline = read_baseline(cfg, kernel=j.scheme == j.base_scheme)  # usage errors before minutes of scoring
     paths = job.run(cfg, force=True)  # a gate judges the code as it is now, never earlier rows
     cand = pl.concat([pl.read_parquet(p) for p in paths], how="diagonal_relaxed").with_columns(
-        kernel=pl.lit(j.spec == j.ref_spec))
+        kernel=pl.lit(j.scheme == j.base_scheme))
     if cfg.gate.baseline is None:  # kernel checks only, e.g. a new backend before any baseline exists
-        verdicts = evaluate(cand.filter(pl.col("kernel")), None, cfg.gate).filter(pl.col("check") == "kernel")
+        verdicts = evaluate(cand.filter(pl.col("kernel")), None, asdict(cfg.gate)).filter(pl.col("check") == "kernel")
         print_verdicts(verdicts)
         return 1 if (verdicts["verdict"] == FAIL).any() or verdicts.is_empty() else 0
     base_path = Path(cfg.gate.baseline)
@@ -191,7 +181,7 @@ def run_gate(cfg: DictConfig) -> int:
         update_baseline(base_path, cand.drop("kernel"))
         print(f"baseline updated: {base_path} ({len(cand)} rows)")
         return 0
-    verdicts = evaluate(cand, baseline, cfg.gate)
+    verdicts = evaluate(cand, baseline, asdict(cfg.gate))
     print_verdicts(verdicts)
     failed = verdicts.filter(pl.col("verdict") == FAIL)
     if failed.is_empty():
@@ -202,12 +192,15 @@ def run_gate(cfg: DictConfig) -> int:
     return 1
 
 
+schema.register()
+
+
 @hydra.main(version_base="1.3", config_path="pkg://tileinfer.conf", config_name="gate")
 def main(cfg: DictConfig) -> None:
     try:
         with exit_on_user_error("tileinfer.gate", code=2):
             try:
-                _outcome.append(run_gate(cfg))
+                _outcome.append(run_gate(schema.load(cfg)))
             except NonFiniteLogits as e:  # the code under test is broken: a failed check, not a usage error
                 print(f"tileinfer.gate: FAIL: {e}", file=sys.stderr)
                 _outcome.append(1)

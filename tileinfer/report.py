@@ -33,14 +33,16 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
 from evals.metrics import LLAMA_CPP_LABELS  # noqa: E402
-from tileinfer.jobs import tables  # noqa: E402
+from tileinfer.jobs import identity, tables  # noqa: E402
 from tileinfer.core.errors import UserError, exit_on_user_error  # noqa: E402
 
 GROUP = ["model", "ctx", "backend"]  # one report section each...
-# ...and each scoring setup: rows with another scoring window, reference or runner settings are not
-# comparable (they are named in the section title when a runs folder holds several)
-SETUP = ["n_score", "reference", "page_size", "prefill_chunk", "cpu_threads"]
-CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # one table row each (per prompt set)
+CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # ...with one table row each (per prompt set)...
+# ...and one section per setup: rows that differ in any other identity column (tileinfer.jobs.identity:
+# scoring window, base, runner settings, timing, machine) are not comparable; the columns that vary
+# are named in the section title. Left out: columns the ones above determine.
+SETUP = [c for c in identity.IDENTITY if c not in (*GROUP, *CONFIG, "prompt_set", "model_sha256", "weights",
+                                                    "kv_cache", "calibration_tokens", "ctx_tokens")]
 QUANT_ORDER = ["bf16", "int8_weights", "int8_kv", "int8_both"]
 
 
@@ -57,7 +59,7 @@ DRIFT_COLUMNS = [
     ("kl_max", _label("kl_max"), "{:.4g}"),
     ("rms_dp", _label("rms_dp") + " (%)", "{:.3f}", 100),
     ("top1_agree", _label("top1_agree") + " (%)", "{:.2f}", 100),
-    ("ppl_ref", _label("ppl_ref"), "{:.4f}"),
+    ("ppl_base", _label("ppl_base"), "{:.4f}"),
     ("ppl_cand", _label("ppl_cand"), "{:.4f}"),
 ]
 
@@ -130,7 +132,7 @@ def _fmt(value, pattern: str, scale: float = 1) -> str:
 
 
 def _speed(value, ref) -> str:
-    """``1,234 (1.76×)`` (three significant digits below 100 tok/s); without a BF16 reference
+    """``1,234 (1.76×)`` (three significant digits below 100 tok/s); without a BF16 base
     just ``1,234``."""
     if value is None:
         return "–"
@@ -140,7 +142,7 @@ def _speed(value, ref) -> str:
 
 def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
     """A Markdown table with one row per configuration of one prompt set (BF16 first) and the
-    notes it needs (missing BF16 reference, KL estimated rather than exact)."""
+    notes it needs (missing BF16 base, KL estimated rather than exact)."""
     notes = []
     bf16 = rows.filter(pl.col("quant") == "bf16")
     ref = bf16.row(0, named=True) if len(bf16) else {}
@@ -160,9 +162,9 @@ def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
         lines.append("| " + " | ".join(cells) + " |")
     if est:
         notes.append("some KL values are estimates (see the KL estimate column), not exact sums over the vocabulary: "
-                     "topkK+tail is the KL of the distributions coarsened to the reference's top K tokens plus the rest, "
+                     "topkK+tail is the KL of the distributions coarsened to the base's top K tokens plus the rest, "
                      "a lower bound of the exact KL (measured on SmolLM2 INT8 weights: mean KL 9.6% low at K=64, "
-                     "4.8% at K=256; 99.9% KL 2.7% low at K=64; tests/test_references.py).")
+                     "4.8% at K=256; 99.9% KL 2.7% low at K=64; tests/test_base_logits.py).")
     return "\n".join(lines), notes
 
 
@@ -228,7 +230,7 @@ def position_plot(rows: pl.DataFrame, title: str, colors: dict, path: Path) -> t
     set to ``path`` (raw values faint, a rolling mean over them bold). Returns whether a figure was
     written (not when no positions file could be read) and notes on skipped configurations."""
     notes, lines = [], []
-    # a bf16 row is zero when it is the reference itself; a fast backend's bf16 row is its kernel drift
+    # a bf16 row is zero when it is the base itself; a fast backend's bf16 row is its kernel drift
     drawn = (pl.col("quant") != "bf16") | (pl.col("kl_mean") > 0)
     for r in rows.filter(drawn).iter_rows(named=True):
         lab = r["config"]

@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from tileinfer.jobs import job, tables
+from tileinfer.jobs import job, schema, tables
 from tileinfer.core.errors import check_runs_dir, exit_on_user_error
 
 ROWS_LIST = "rows.json"  # in each job's Hydra output folder: the row files the job produced
@@ -32,11 +32,14 @@ def read_rows(paths) -> pl.DataFrame:
     return pl.concat([pl.read_parquet(p) for p in dict.fromkeys(paths)], how="diagonal_relaxed")
 
 
+schema.register()
+
+
 @hydra.main(version_base="1.3", config_path="pkg://tileinfer.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point: one job of a run or multirun."""
     with exit_on_user_error("tileinfer.sweep"):
-        paths = job.run(cfg)
+        paths = job.run(schema.load(cfg))
         tables.print_table(read_rows(paths))
         (Path(HydraConfig.get().runtime.output_dir) / ROWS_LIST).write_text(json.dumps([str(p) for p in paths]))
 

@@ -21,6 +21,12 @@ from tileinfer.models import Transformer
 from tileinfer.ops import get_backend
 
 
+def uses_cuda_graph(requested: bool, device: torch.device, ops) -> bool:
+    """Whether decode replays a CUDA graph: requested, on CUDA, and the backend module ``ops`` is
+    capturable (``CUDA_GRAPHS = True``)."""
+    return bool(requested and device.type == "cuda" and getattr(ops, "CUDA_GRAPHS", False))
+
+
 class ModelRunner:
     """Runs a :class:`Transformer` on one backend with a paged KV cache.
 
@@ -56,7 +62,7 @@ class ModelRunner:
         self.kv = PagedKVCache(c.num_hidden_layers, self.max_pages, page_size, c.num_key_value_heads,
                                c.head_dim, model.dtype, kv_int8, model.device)
         self.blocks = BlockManager(self.max_pages)
-        self.cuda_graph = cuda_graph and self.device.type == "cuda" and getattr(self.ops, "CUDA_GRAPHS", False)
+        self.cuda_graph = uses_cuda_graph(cuda_graph, self.device, self.ops)
         self._decode_graph: DecodeGraph | None = None
 
     @property

@@ -1,8 +1,8 @@
-"""Drift of a candidate configuration against the BF16 reference, with speed from the same pass.
+"""Drift of a candidate configuration against the BF16 base, with speed from the same pass.
 
 Both configurations read the identical token stream: a prompt of ``ctx`` tokens followed by the
-reference model's greedy reply. The candidate is run teacher-forced over the stream, so the logits
-at every reply position are comparable one to one with the reference's (the method of llama.cpp's
+base model's greedy reply. The candidate is run teacher-forced over the stream, so the logits
+at every reply position are comparable one to one with the base's (the method of llama.cpp's
 ``--kl-divergence``, applied to a model-generated continuation as in TileInfer.jl's evaluation).
 The prompt prefill of that same pass is timed, then the sequence is cut back to ``ctx`` positions
 and decode steps are timed after them.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from evals.metrics import MetricsAccumulator, greedy_agreement_length
-from evals.references import FullReference
+from evals.base_logits import FullLogits
 from tileinfer.core.errors import NonFiniteLogits
 from tileinfer.engine.generation import generate
 from tileinfer.engine.runner import ModelRunner
@@ -28,7 +28,7 @@ from tileinfer.engine.runner import ModelRunner
 
 @dataclass(frozen=True)
 class Stream:
-    """The shared token stream: ``tokens[:prompt_len]`` is the prompt, the rest the reference reply."""
+    """The shared token stream: ``tokens[:prompt_len]`` is the prompt, the rest the base reply."""
 
     tokens: tuple[int, ...]
     prompt_len: int
@@ -50,9 +50,9 @@ def load_stream(cache_file: Path, prompt: list[int], n_reply: int) -> Stream | N
     return Stream(tuple(saved["prompt"] + saved["reply"]), len(prompt))
 
 
-def reference_stream(runner: ModelRunner, prompt: list[int], n_reply: int, stop_ids) -> Stream:
+def base_stream(runner: ModelRunner, prompt: list[int], n_reply: int, stop_ids) -> Stream:
     """The prompt plus the runner's greedy reply of at most ``n_reply`` tokens (ending at a stop id)."""
-    reply = generate(runner, list(prompt), n_reply, stop_ids=stop_ids, progress="reference reply").tokens
+    reply = generate(runner, list(prompt), n_reply, stop_ids=stop_ids, progress="base reply").tokens
     return Stream(tuple(prompt) + tuple(reply), len(prompt))
 
 
@@ -88,7 +88,7 @@ def teacher_forced(runner: ModelRunner, stream, decode_steps: int = 0,
     """Run ``stream`` through ``runner``; yield ``(i, logits)`` chunks of the scored positions.
 
     ``stream`` is anything with ``tokens`` (prompt then reply) and ``prompt_len``: a :class:`Stream`
-    or a stored reference.
+    or a stored base logits.
 
     Row ``j`` of a chunk starting at ``i`` holds float32 logits [vocab] predicting reply token
     ``i + j``. The prompt prefill is timed; after the last chunk the sequence is cut back to the
@@ -121,10 +121,10 @@ def teacher_forced(runner: ModelRunner, stream, decode_steps: int = 0,
         seq.release()
 
 
-def reference_logits(runner: ModelRunner, stream: Stream) -> FullReference:
-    """The reference's float32 logits [len(reply), vocab] (on the CPU) at every scored position."""
+def full_logits(runner: ModelRunner, stream: Stream) -> FullLogits:
+    """The base's float32 logits [len(reply), vocab] (on the CPU) at every scored position."""
     logits = torch.cat([lg.cpu() for _, lg in teacher_forced(runner, stream)])
-    return FullReference(torch.tensor(stream.tokens), stream.prompt_len, logits)
+    return FullLogits(torch.tensor(stream.tokens), stream.prompt_len, logits)
 
 
 def warm_up(runner: ModelRunner, stream) -> None:
@@ -140,11 +140,11 @@ def warm_up(runner: ModelRunner, stream) -> None:
         seq.release()
 
 
-def score(runner: ModelRunner, reference, decode_steps: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Compare ``runner`` with a reference on the reference's token stream; return metrics and speed.
+def score(runner: ModelRunner, base, decode_steps: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Compare ``runner`` with a base on the base's token stream; return metrics and speed.
 
-    ``reference`` is an :class:`evals.references.FullReference` (exact KL) or a stored
-    :class:`evals.references.TopKReference` (top-k + tail KL estimate).
+    ``base`` is an :class:`evals.base_logits.FullLogits` (exact KL) or a stored
+    :class:`evals.base_logits.TopKLogits` (top-k + tail KL estimate).
 
     Returns (summary, per_position): the :func:`evals.metrics.summarize` statistics plus
     ``greedy_agree_len`` (tokens), ``n_scored``, ``prefill_ms``, ``prefill_tok_s``,
@@ -152,18 +152,18 @@ def score(runner: ModelRunner, reference, decode_steps: int) -> tuple[dict, dict
     device); and the per-position arrays of :func:`evals.metrics.position_metrics` [n_scored].
     """
     acc, timings = MetricsAccumulator(), []
-    for i, logits in teacher_forced(runner, reference, decode_steps, timings):
-        acc.extend(reference.position_metrics(i, logits))
+    for i, logits in teacher_forced(runner, base, decode_steps, timings):
+        acc.extend(base.position_metrics(i, logits))
     per_pos = acc.per_position()
     t = timings[0]
     out = acc.summary()
     out.update(
-        # against the reference's own teacher-forced argmax, not the stream: the stream came from
+        # against the base's own teacher-forced argmax, not the stream: the stream came from
         # decode steps, whose rounding can flip a near-tie the prefill path resolves the other way
-        greedy_agree_len=greedy_agreement_length(per_pos["argmax_cand"], per_pos["argmax_ref"]),
-        n_scored=len(reference.tokens) - reference.prompt_len,
+        greedy_agree_len=greedy_agreement_length(per_pos["argmax_cand"], per_pos["argmax_base"]),
+        n_scored=len(base.tokens) - base.prompt_len,
         prefill_ms=1e3 * t.prefill_s,
-        prefill_tok_s=reference.prompt_len / t.prefill_s,
+        prefill_tok_s=base.prompt_len / t.prefill_s,
         decode_tok_s=t.decode_steps / t.decode_s if t.decode_steps else float("nan"),
         decode_ms_per_tok=1e3 * t.decode_s / t.decode_steps if t.decode_steps else float("nan"),
     )

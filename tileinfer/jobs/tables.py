@@ -18,6 +18,7 @@ import polars as pl
 import torch
 
 from evals.metrics import summarize
+from tileinfer.jobs.identity import RENAMED
 
 # Columns shown when a table is printed (all columns are saved).
 SHOWN = ["model", "quant", "smooth_keys", "ctx", "prompt_set", "backend", "kl_mean", "kl_p99",
@@ -43,9 +44,18 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def make_row(cfg, spec, info: dict, results: list[tuple[dict, dict]], *, ctx_tokens: int, prompt_set: str,
-             model_id: str, device: torch.device, weights_bytes: int, kv_bytes: int, wall_s: float) -> dict:
+def make_row(key: dict, results: list[tuple[dict, dict]], *, device: torch.device, weights_bytes: int,
+             kv_bytes: int, wall_s: float, kl_estimate: str, fallbacks: list[str]) -> dict:
     """One table row from the :func:`tileinfer.jobs.drift.score` results of a prompt set's prompts.
+
+    Args:
+        key: the row's identity columns (tileinfer.jobs.identity).
+        results: (summary, per-position arrays) per prompt.
+        device: where the candidate ran (peak memory is read on CUDA).
+        weights_bytes, kv_bytes: bytes of the candidate's weights and of its KV cache at the job's length.
+        wall_s: seconds the prompt set took.
+        kl_estimate: ``exact``, or ``topkK+tail`` against stored base logits.
+        fallbacks: the ops that ran on another backend than asked (tileinfer.ops.fallbacks()).
 
     Statistics are taken over the positions of all prompts together; speeds are means over prompts.
     """
@@ -58,17 +68,17 @@ def make_row(cfg, spec, info: dict, results: list[tuple[dict, dict]], *, ctx_tok
             stats[k] = sum(r[0][k] for r in results) / len(results)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {
-        "model": cfg.model.name, "model_sha256": model_id, "quant": cfg.quant.name,
-        "weights": spec.weights, "kv_cache": spec.kv_cache, "smooth_keys": spec.smooth_keys,
-        "smooth_alpha": spec.smooth_alpha if spec.smooth_keys else None,
-        "ctx": cfg.ctx.name, "ctx_tokens": ctx_tokens, "prompt_set": prompt_set, "n_prompts": len(results),
-        "backend": cfg.backend.name, "spec": cfg.spec.name, "dtype": cfg.dtype,
-        **stats,
+        **key, "n_prompts": len(results), **stats,
         "weights_bytes": weights_bytes, "kv_cache_bytes": kv_bytes, "peak_mem_bytes": peak,
-        "calibration_tokens": info.get("calibration_tokens"),
-        "device": device_name(device), "torch": torch.__version__, "git_commit": git_commit(),
+        "kl_estimate": kl_estimate, "fallbacks": "; ".join(fallbacks),
+        "torch": torch.__version__, "git_commit": git_commit(),
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": wall_s,
     }
+
+
+def upgrade(df: pl.DataFrame) -> pl.DataFrame:
+    """Rows written under older column names, renamed to today's (tileinfer.jobs.identity.RENAMED)."""
+    return df.rename({old: new for old, new in RENAMED.items() if old in df.columns and new not in df.columns})
 
 
 def atomic_parquet(df: pl.DataFrame, path: Path) -> None:
@@ -106,7 +116,7 @@ def read_row_files(files) -> list[pl.DataFrame]:
     frames = []
     for f in files:
         try:
-            frames.append(pl.read_parquet(f).with_columns(row_file=pl.lit(str(f))))
+            frames.append(upgrade(pl.read_parquet(f)).with_columns(row_file=pl.lit(str(f))))
         except Exception as e:  # noqa: BLE001 - whatever is wrong with one file
             print(f"warning: skipped {f} ({type(e).__name__})", file=sys.stderr)
     return frames

@@ -1,10 +1,10 @@
-"""Stored reference distributions: top-k log-probabilities plus the tail, in a small file.
+"""Stored base distributions: top-k log-probabilities plus the tail, in a small file.
 
 The files (``*.topk``) are safetensors containers (tensors plus a JSON manifest in the header); the
 suffix keeps them apart from model weights.
 
-A full-vocabulary reference is too large to keep (1,024 positions x 151,936 float32 = 622 MB per
-prompt), so a recorded reference keeps, at every scored position, the k most likely tokens with
+A full-vocabulary base is too large to keep (1,024 positions x 151,936 float32 = 622 MB per
+prompt), so a recorded base keeps, at every scored position, the k most likely tokens with
 their exact log-probabilities, the exact log-mass of everything else (the tail), and the exact
 log-probability of the stream's next token, beside the token stream and a manifest (model
 checksum, backend, dtype, git commit, library versions). k = 64 costs 512 bytes per position.
@@ -17,7 +17,7 @@ distributions coarsened to k + 1 outcomes (the top-k tokens of P, and "any other
 with t_P, t_Q the tail masses. By the log-sum inequality (data processing) it never exceeds the
 exact KL, and the gap is exactly ``t_P * KL(P_tail || Q_tail)`` of the renormalised tails, so it is
 tight when little mass is outside the top k or when the candidate distorts the tail in proportion.
-tests/test_references.py measures the gap on real model distributions.
+tests/test_base_logits.py measures the gap on real model distributions.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from evals.metrics import position_metrics
 from tileinfer.core.errors import UserError
 
-FORMAT = "tileinfer-topk-reference/1"
+FORMAT = "tileinfer-topk-reference/1"  # the files' format tag, kept so recorded files still load
 
 
 def _log_softmax(x: torch.Tensor) -> torch.Tensor:
@@ -51,8 +51,8 @@ def _tail_logmass(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class FullReference:
-    """The reference's full float32 logits [N, V] at the N scored positions of ``tokens`` (exact KL).
+class FullLogits:
+    """The base's full float32 logits [N, V] at the N scored positions of ``tokens`` (exact KL).
 
     ``tokens`` int [L] is the prompt followed by the reply; row i predicts ``tokens[prompt_len + i]``.
     """
@@ -67,17 +67,17 @@ class FullReference:
         nxt = torch.as_tensor(self.tokens[self.prompt_len + start:self.prompt_len + start + n])
         return position_metrics(self.logits[start:start + n].to(cand_logits.device), cand_logits, nxt)
 
-    def to_topk(self, k: int = 64, manifest: dict | None = None) -> "TopKReference":
-        """The compact stored form of this reference."""
-        return TopKReference.from_logits(self.logits, self.tokens, self.prompt_len, k, manifest)
+    def to_topk(self, k: int = 64, manifest: dict | None = None) -> "TopKLogits":
+        """The compact stored form of these base logits."""
+        return TopKLogits.from_logits(self.logits, self.tokens, self.prompt_len, k, manifest)
 
 
 @dataclass
-class TopKReference:
-    """One stored reference stream.
+class TopKLogits:
+    """One stored base logits stream.
 
     Attributes:
-        tokens: int32 [L], the prompt followed by the reference reply.
+        tokens: int32 [L], the prompt followed by the base reply.
         prompt_len: positions before the scored window.
         topk_ids: int32 [N, k], N = L - prompt_len scored positions, most likely token first;
             row i is the distribution predicting ``tokens[prompt_len + i]``.
@@ -101,7 +101,7 @@ class TopKReference:
 
     @classmethod
     def from_logits(cls, logits: torch.Tensor, tokens, prompt_len: int, k: int = 64,
-                    manifest: dict | None = None) -> "TopKReference":
+                    manifest: dict | None = None) -> "TopKLogits":
         """Record from full logits [N, V] of the N scored positions of ``tokens`` (L = prompt_len + N)."""
         tokens = torch.as_tensor(tokens, dtype=torch.int32)
         nxt = tokens[prompt_len:].long()
@@ -121,29 +121,29 @@ class TopKReference:
                    "tail_logmass": self.tail_logmass, "next_logprob": self.next_logprob}
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-        os.chmod(tmp, 0o644)  # a committed reference file must be readable like any other
+        os.chmod(tmp, 0o644)  # a committed base-logits file must be readable like any other
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path) -> "TopKReference":
+    def load(cls, path) -> "TopKLogits":
         """Read a file written by :meth:`save`.
 
         Raises:
-            UserError: missing, unreadable, or not a reference file.
+            UserError: missing, unreadable, or not a base-logits file.
         """
         from safetensors import safe_open
 
         path = Path(path)
         if not path.is_file():
-            raise UserError(f"stored reference {path} does not exist; record it with python -m tileinfer.record")
+            raise UserError(f"stored base logits {path} does not exist; record it with python -m tileinfer.record")
         try:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}
             t = load_file(str(path))
         except Exception as e:  # noqa: BLE001 - any decoding failure means a corrupt file
-            raise UserError(f"cannot read stored reference {path}: {e}") from None
+            raise UserError(f"cannot read stored base logits {path}: {e}") from None
         if meta.get("format") != FORMAT:
-            raise UserError(f"{path} is not a tileinfer reference file (format {meta.get('format')!r})")
+            raise UserError(f"{path} is not a tileinfer base-logits file (format {meta.get('format')!r})")
         return cls(t["tokens"], int(meta["prompt_len"]), t["topk_ids"], t["topk_logprobs"],
                    t["tail_logmass"], t["next_logprob"], json.loads(meta["manifest"]))
 
@@ -152,7 +152,7 @@ class TopKReference:
 
         Same keys as :func:`evals.metrics.position_metrics`; ``kl`` and ``rkl`` are the top-k + tail
         estimates (lower bounds of the exact values, see the module docstring); top-1 agreement,
-        the next-token probabilities and log-probabilities are exact; ``entropy_ref`` is NaN (the
+        the next-token probabilities and log-probabilities are exact; ``entropy_base`` is NaN (the
         tail's shape is not stored).
         """
         n = cand_logits.shape[0]
@@ -172,15 +172,15 @@ class TopKReference:
         kl = term(p, lp, lq).sum(-1) + term(pt, lt, lqt)
         rkl = term(q, lq, lp).sum(-1) + term(qt, lqt, lt)
         nxt = self.tokens[self.prompt_len + start:self.prompt_len + start + n].to(dev).long()
-        logp_ref = self.next_logprob[start:start + n].to(dev)
+        logp_base = self.next_logprob[start:start + n].to(dev)
         logp_cand = lq_all.gather(-1, nxt[:, None])[:, 0]
         argmax_cand = cand_logits.argmax(-1)
         ent_q = -(lq_all.exp() * torch.nan_to_num(lq_all, neginf=0.0)).double().sum(-1)
         return {
             "kl": kl.clamp_min(0).float(), "rkl": rkl.clamp_min(0).float(),
             "top1_agree": ids[:, 0] == argmax_cand,
-            "p_ref": logp_ref.exp(), "p_cand": logp_cand.exp(), "dp": logp_cand.exp() - logp_ref.exp(),
-            "logp_ref": logp_ref, "logp_cand": logp_cand,
-            "entropy_ref": torch.full((n,), float("nan"), device=dev), "entropy_cand": ent_q.float(),
-            "argmax_ref": ids[:, 0], "argmax_cand": argmax_cand,
+            "p_base": logp_base.exp(), "p_cand": logp_cand.exp(), "dp": logp_cand.exp() - logp_base.exp(),
+            "logp_base": logp_base, "logp_cand": logp_cand,
+            "entropy_base": torch.full((n,), float("nan"), device=dev), "entropy_cand": ent_q.float(),
+            "argmax_base": ids[:, 0], "argmax_cand": argmax_cand,
         }

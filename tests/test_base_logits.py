@@ -4,23 +4,23 @@ import pytest
 import torch
 
 from evals.metrics import summarize
-from evals.references import FullReference, TopKReference
+from evals.base_logits import FullLogits, TopKLogits
 from tileinfer.jobs import drift
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
 from tileinfer.models import Transformer
 from tileinfer.engine.runner import ModelRunner
 
-STORED = "evals/references/smollm2-135m/reference-bf16-nosmooth-{}0-ctx1024-n128.topk"
+STORED = "evals/base_logits/smollm2-135m/reference-bf16-nosmooth-{}0-ctx1024-n128.topk"
 
 
 def test_round_trip_keeps_every_tensor_and_the_manifest(tmp_path):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(40, 500, generator=g) * 3
     tokens = torch.randint(0, 500, (50,), generator=g)
-    ref = TopKReference.from_logits(logits, tokens, 10, k=16, manifest={"backend": "reference", "n": 3})
+    ref = TopKLogits.from_logits(logits, tokens, 10, k=16, manifest={"backend": "reference", "n": 3})
     ref.save(tmp_path / "r.topk")
-    back = TopKReference.load(tmp_path / "r.topk")
+    back = TopKLogits.load(tmp_path / "r.topk")
     assert back.prompt_len == 10 and back.k == 16 and back.manifest == {"backend": "reference", "n": 3}
     for name in ("tokens", "topk_ids", "topk_logprobs", "tail_logmass", "next_logprob"):
         assert torch.equal(getattr(back, name), getattr(ref, name)), name
@@ -34,16 +34,16 @@ def test_round_trip_keeps_every_tensor_and_the_manifest(tmp_path):
 
 def test_load_errors_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        TopKReference.load(tmp_path / "missing.topk")
+        TopKLogits.load(tmp_path / "missing.topk")
     (tmp_path / "bad.topk").write_bytes(b"not a safetensors file")
     with pytest.raises(UserError, match="cannot read"):
-        TopKReference.load(tmp_path / "bad.topk")
+        TopKLogits.load(tmp_path / "bad.topk")
 
 
 def test_identical_distributions_give_zero_estimate():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(8, 300, generator=g)
-    ref = TopKReference.from_logits(logits, torch.randint(0, 300, (12,), generator=g), 4, k=8)
+    ref = TopKLogits.from_logits(logits, torch.randint(0, 300, (12,), generator=g), 4, k=8)
     m = ref.position_metrics(0, logits)
     assert m["kl"].abs().max() < 1e-6 and m["top1_agree"].all()
 
@@ -51,14 +51,14 @@ def test_identical_distributions_give_zero_estimate():
 @pytest.fixture(scope="module")
 def real_distributions(smollm2_gguf):
     """SmolLM2 BF16 (full logits) and its INT8-weight variant on the stored 'edit' stream."""
-    from quantize import QuantSpec, apply
+    from quantize import QuantScheme, apply
 
     ck = load_checkpoint(smollm2_gguf)
-    stored = TopKReference.load(STORED.format("edit"))
+    stored = TopKLogits.load(STORED.format("edit"))
     stream = drift.Stream(tuple(int(t) for t in stored.tokens), stored.prompt_len)
     bf16 = ModelRunner(Transformer.from_state_dict(ck.config, ck.state_dict), max_seq_len=1152)
-    full = drift.reference_logits(bf16, stream)
-    sd, _ = apply(ck, None, QuantSpec("int8", "bf16"))
+    full = drift.full_logits(bf16, stream)
+    sd, _ = apply(ck, None, QuantScheme("int8", "bf16"))
     cand = ModelRunner(Transformer.from_state_dict(ck.config, sd), max_seq_len=1152)
     cand_logits = torch.cat([lg for _, lg in drift.teacher_forced(cand, stream)])
     return full, cand_logits
@@ -72,7 +72,7 @@ def test_topk_tail_estimate_is_a_lower_bound_that_tightens_with_k(real_distribut
         est = full.to_topk(k).position_metrics(0, cand)
         assert (est["kl"] <= exact["kl"] + 1e-6).all()  # never above the exact KL (data processing)
         gaps.append(1 - summarize(est)["kl_mean"] / summarize(exact)["kl_mean"])
-        for key in ("top1_agree", "p_ref", "p_cand", "logp_ref", "logp_cand", "argmax_cand"):
+        for key in ("top1_agree", "p_base", "p_cand", "logp_base", "logp_cand", "argmax_cand"):
             assert torch.allclose(est[key].double(), exact[key].double(), atol=1e-5), key
     # measured on SmolLM2 INT8 weights: mean KL 20% low at k=8, 9.6% at k=64, 4.8% at k=256
     assert gaps[0] > gaps[1] > gaps[2] >= 0
@@ -82,6 +82,6 @@ def test_topk_tail_estimate_is_a_lower_bound_that_tightens_with_k(real_distribut
 def test_stored_reference_matches_the_engine_today(real_distributions):
     """The committed reference was recorded by this engine: recomputing it gives the same top-k."""
     full, _ = real_distributions
-    stored = TopKReference.load(STORED.format("edit"))
+    stored = TopKLogits.load(STORED.format("edit"))
     assert torch.equal(full.to_topk(stored.k).topk_ids[:, :8], stored.topk_ids[:, :8])
-    assert isinstance(full, FullReference)
+    assert isinstance(full, FullLogits)

@@ -1,4 +1,4 @@
-"""What to quantize (:class:`QuantSpec`) and :func:`apply`, which turns float weights into it.
+"""What to quantize (:class:`QuantScheme`) and :func:`apply`, which turns float weights into it.
 
 One spec is one point of a quantization sweep: weight precision, KV-cache precision, and whether
 the keys are smoothed for the INT8 cache (see quantize.smoothing). :func:`apply` works in memory on
@@ -30,7 +30,7 @@ DEFAULT_CALIBRATION_TOKENS = 2048
 
 
 @dataclass(frozen=True)
-class QuantSpec:
+class QuantScheme:
     """A quantization configuration.
 
     Attributes:
@@ -64,7 +64,7 @@ class QuantSpec:
         if self.calibration_tokens < 1:
             raise UserError(f"calibration_tokens must be at least 1, not {self.calibration_tokens}")
 
-    def is_reference(self) -> bool:
+    def is_unquantized(self) -> bool:
         """Whether nothing is quantized (BF16 weights and KV cache): the model as it comes."""
         return self.weights == "bf16" and self.kv_cache == "bf16"
 
@@ -73,7 +73,7 @@ class QuantSpec:
         """Whether keys are actually smoothed: asked for, and the KV cache is INT8."""
         return self.smooth_keys and self.kv_cache == "int8"
 
-    def effective(self) -> "QuantSpec":
+    def effective(self) -> "QuantScheme":
         """The spec with settings that have no effect reset to their defaults.
 
         Without smoothing (off, or a BF16 cache) ``smooth_keys`` becomes False and the alpha and
@@ -104,7 +104,7 @@ def calibration_text(path: str | None) -> str:
         raise UserError(f"calibration file {path} is not UTF-8 text: {e}") from None
 
 
-def apply(source: Checkpoint | dict[str, torch.Tensor], config: ModelConfig | None, spec: QuantSpec,
+def apply(source: Checkpoint | dict[str, torch.Tensor], config: ModelConfig | None, spec: QuantScheme,
           tokenizer=None, progress: bool = False, device="cpu") -> tuple[dict[str, torch.Tensor], dict]:
     """Quantize a float model in memory: smooth the keys (if effective), then quantize the weights.
 
@@ -112,7 +112,7 @@ def apply(source: Checkpoint | dict[str, torch.Tensor], config: ModelConfig | No
         source: a loaded :class:`~tileinfer.core.checkpoint.Checkpoint` or its state dict (float tensors
             under transformers' names; not modified).
         config: the model's shapes; None takes the checkpoint's.
-        spec: what to do; its :meth:`QuantSpec.effective` form is applied.
+        spec: what to do; its :meth:`QuantScheme.effective` form is applied.
         tokenizer: encodes the calibration text (``encode(text, add_special_tokens=False)``);
             needed only when keys are smoothed.
         progress: show tqdm bars.

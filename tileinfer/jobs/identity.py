@@ -1,0 +1,45 @@
+"""What identifies a configuration: one list of row columns, used everywhere a row is matched.
+
+The row file's name hashes these columns (:func:`row_file_name`), the row holds them, the gate
+matches baseline rows on :data:`DRIFT` and the report groups rows by them. A setting that changes
+the numbers and is missing here would make two configurations share a row: add it here and to
+``tables.make_row`` together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+# The configuration under test: model file, quantization, dtype, backend, speculative decoding.
+CONFIG = ("model", "model_sha256", "quant", "weights", "kv_cache", "smooth_keys", "smooth_alpha",
+          "calibration_tokens", "dtype", "backend", "spec")
+# How it is scored: prompt, scored window, base side, and the runner settings that reorder sums.
+SCORING = ("ctx", "ctx_tokens", "prompt_set", "n_score", "base", "top_k", "page_size", "prefill_chunk")
+# How speed is timed (no effect on drift).
+TIMING = ("decode_tokens", "decode_cuda_graph")
+# Where it ran: CPU decode rounds differently with another thread count (greedy replies can differ).
+MACHINE = ("device", "cpu_threads")
+
+IDENTITY = CONFIG + SCORING + TIMING + MACHINE
+# The gate compares drift across machines and timing settings: a baseline row recorded on one CPU
+# certifies the same configuration on another (its margins absorb the rounding differences).
+DRIFT = CONFIG + SCORING
+
+# Columns renamed since rows were first written: old name -> new name (old rows still load).
+RENAMED = {"reference": "base", "ppl_ref": "ppl_base", "p_ref_mean": "p_base_mean"}
+
+
+def key_of(row: dict, columns=IDENTITY) -> dict:
+    """The identity columns of ``row``.
+
+    Raises:
+        KeyError: a column of ``columns`` the row lacks (a row builder out of step with this list).
+    """
+    return {c: row[c] for c in columns}
+
+
+def row_file_name(row: dict, label: str) -> str:
+    """``LABEL-HASH.parquet``: a readable label plus a hash of the row's identity columns."""
+    h = hashlib.sha256(json.dumps(key_of(row), sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return f"{label}-{h}.parquet"
