@@ -5,8 +5,7 @@ import io
 
 import pytest
 
-from tileinfer.bench import MODELS
-from tileinfer.bench.ops import model_cases
+from tileinfer.bench.cases import model_cases
 from tileinfer.bench.profile import DEFAULT_CASES, parse, select
 
 STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
@@ -22,9 +21,9 @@ COLS = {  # column -> unit (ncu's second row)
     **{STALL.format(r): "" for r in ("long_scoreboard", "selected", "wait", "barrier", "math_pipe_throttle")},
 }
 CUTLASS = "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(T1::Params)"
-MANIFEST = [{"model": "qwen3-4b", "phase": "decode", "op": "linear", "shape": "qkv 1x2560->6144", "variant": "bf16",
-             "backend": "triton", "nbytes": 31_000_000, "flops": 0},
-            {"model": "qwen3-4b", "phase": "decode", "op": "attention", "shape": "T=1 ctx=8192",
+MANIFEST = [{"model": "qwen3-4b-random", "phase": "decode", "op": "linear", "shape": "qkv 1x2560->6144",
+             "variant": "bf16", "backend": "triton", "nbytes": 31_000_000, "flops": 0},
+            {"model": "qwen3-4b-random", "phase": "decode", "op": "attention", "shape": "T=1 ctx=8192",
              "variant": "int8kv", "backend": "torch", "nbytes": 20_000_000, "flops": 0}]
 
 
@@ -107,7 +106,7 @@ def test_malformed_manifest_raises(manifest):
 
 
 def test_case_selection():
-    cases = model_cases(MODELS["qwen3-4b"])
+    cases = model_cases("qwen3-4b-random")
     default = select(cases, DEFAULT_CASES)
     assert {(c.phase, c.op) for c in default} == {(p, o) for p, o in (s.split(":") for s in DEFAULT_CASES.split(","))}
     assert len(select(cases, "decode:attention")) == 6  # 1k, 8k, 32k x bf16, int8kv

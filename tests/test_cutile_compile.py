@@ -1,49 +1,25 @@
-"""Every cuTile kernel, at every specialization the shipped models need, compiles for sm_90 (CPU).
+"""Every cuTile kernel, at every variant the registered models need, compiles for sm_90 (CPU).
 
-The specializations come from running the model code on meta tensors with the backend's launches
-recorded (tileinfer/bench/cutile_variants.py); each is compiled with
-``cuda.tile.compilation.export_kernel(..., gpu_code="sm_90", output_format="cubin")``, which needs
-the ``cuda-tile[tileiras]`` package but no GPU. Compiles run in a process pool (one per core);
-tileiras runs as a subprocess, so the pool scales with the cores. Skipped where cuda.tile or
-tileiras is missing.
+The variants come from running the model code on meta tensors with the backend's launches
+recorded, and each compiles with ``cuda.tile.compilation.export_kernel(..., gpu_code="sm_90",
+output_format="cubin")``, which needs the ``cuda-tile[tileiras]`` package but no GPU: the path of
+``python -m tileinfer.bench.aot --backend cutile`` (tileinfer/bench/aot). Compiles run in
+CUTILE_COMPILE_JOBS processes (default: one per core); tileiras runs as a subprocess, so they scale
+with the cores. Skipped where cuda.tile or tileiras is missing.
 """
 
 from __future__ import annotations
 
-import io
-import multiprocessing as mp
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
 ct = pytest.importorskip("cuda.tile")
 
-from tileinfer.bench import cutile_variants as S  # noqa: E402
-
-_SPECS = None
-
-
-def _specs():
-    global _SPECS
-    if _SPECS is None:
-        _SPECS = S.specializations()
-    return _SPECS
-
-
-def _compile_one(i: int):
-    """Compile spec i (forked worker): (i, error text or None, cubin size, seconds)."""
-    from cuda.tile.compilation import export_kernel
-
-    spec = _specs()[i]
-    t0 = time.perf_counter()
-    buf = io.BytesIO()
-    try:
-        export_kernel(spec.kernel, [spec.signature], buf, gpu_code="sm_90", output_format="cubin")
-    except Exception as e:  # report every failure, not just the first
-        return i, f"{type(e).__name__}: {e}"[:4000], 0, time.perf_counter() - t0
-    return i, None, len(buf.getvalue()), time.perf_counter() - t0
+from tileinfer.bench import aot  # noqa: E402
+from tileinfer.bench.aot import cutile as aot_cutile  # noqa: E402
+from tileinfer.core.registry import shaped_models  # noqa: E402
 
 
 def _have_tileiras() -> bool:
@@ -56,30 +32,27 @@ def _have_tileiras() -> bool:
         return False
 
 
-def test_specializations_cover_every_kernel():
-    """Each kernel of the backend appears in the specialization list (nothing left untested)."""
-    names = {s.name for s in _specs()}
+def test_variants_cover_every_kernel():
+    """Each kernel of the backend appears among the recorded variants (nothing left untested)."""
+    found, failed = aot_cutile.record(aot.model_calls(shaped_models()))
+    assert failed == []
     expected = {"embedding_kernel", "rms_norm_kernel", "add_rms_norm_kernel",
                 "qk_norm_rope_kv_kernel", "gemv_kernel", "gemv_swiglu_kernel",
                 "gemv_partial_kernel", "gemv_reduce_kernel", "gemm_kernel", "gemm_swiglu_kernel",
                 "prefill_attention_kernel", "decode_split_kernel", "decode_combine_kernel",
                 "argmax_partial_kernel", "argmax_final_kernel", "sample_kernel"}
-    assert expected <= names, f"missing: {expected - names}"
+    assert expected <= {v.name for v in found}, f"missing: {expected - {v.name for v in found}}"
 
 
-def test_every_specialization_compiles_for_sm90():
+def test_every_variant_compiles_for_sm90():
     if not _have_tileiras():
         pytest.skip("tileiras (cuda-tile[tileiras]) is not installed")
-    specs = _specs()
-    workers = int(os.environ.get("CUTILE_COMPILE_JOBS", os.cpu_count() or 1))
+    jobs = int(os.environ.get("CUTILE_COMPILE_JOBS", os.cpu_count() or 1))
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as pool:
-        results = list(pool.map(_compile_one, range(len(specs))))
-    wall = time.perf_counter() - t0
-    failures = [(specs[i].describe(), err) for i, err, _, _ in results if err]
-    slowest = sorted(results, key=lambda r: -r[3])[:3]
-    print(f"\n{len(specs)} specializations compiled in {wall:.1f} s with {workers} workers; "
-          "slowest: "
-          + ", ".join(f"{specs[i].describe()} {t:.1f}s" for i, _, _, t in slowest))
-    assert not failures, "\n\n".join(f"{d}:\n{e}" for d, e in failures)
-    assert all(n > 0 for _, err, n, _ in results if not err)
+    recs = aot.compile_calls("cutile", aot.model_calls, (shaped_models(),), "sm_90", jobs)
+    slowest = sorted(recs, key=lambda r: -r["seconds"])[:3]
+    print(f"\n{len(recs)} variants compiled in {time.perf_counter() - t0:.1f} s with {jobs} processes; slowest: "
+          + ", ".join(f"{r['kernel']}{r['variant']} {r['seconds']:.1f}s" for r in slowest))
+    failures = [f"{r['kernel']}{r['variant']}:\n{r['error']}" for r in recs if r["error"]]
+    assert not failures, "\n\n".join(failures)
+    assert all(r["cubin_bytes"] > 0 for r in recs)

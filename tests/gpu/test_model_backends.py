@@ -1,20 +1,21 @@
 """Whole-model drift of each fast backend against the reference backend, checked by the gate (GPU).
 
-A random-weight Qwen3-0.6B-shaped model (tileinfer/checkpoint/random_init.py), BF16 and INT8-both,
+A random-weight Qwen3-0.6B-shaped model (tileinfer/core/checkpoint/random_init.py), BF16 and INT8-both,
 teacher-forced over a random token stream; mean KL and top-1 agreement must pass the gate's kernel
-checks. The sweeps in tileinfer/bench/h200.sh do the same on real prompts and on smollm2.
+checks. The sweeps in benchmarks/h200.sh do the same on real prompts and on smollm2.
 """
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from quantize import QuantSpec, apply
+from quantize import QuantScheme, apply
 from tileinfer.jobs import drift
 from tileinfer import gate
 from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
+from tileinfer.core.registry import model_entry
 from tileinfer.models import Transformer
 from tileinfer.engine.runner import ModelRunner
 
@@ -23,7 +24,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 GATE = OmegaConf.load("conf/gate.yaml").gate
-MODEL = OmegaConf.to_container(OmegaConf.load("conf/model/qwen3-0.6b-random.yaml").source.random.config)
+MODEL = model_entry("qwen3-0.6b-random")["config"]  # config.json fields (the registry's shape table)
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +37,11 @@ def checkpoint():
 @pytest.mark.parametrize("backend", ["triton", "cutile"])
 def test_backend_logits_pass_the_gate_against_the_reference_backend(checkpoint, backend, quant):
     int8 = quant == "int8_both"
-    sd = apply(checkpoint, None, QuantSpec("int8", "int8", smooth_keys=False))[0] if int8 else checkpoint.state_dict
+    sd = apply(checkpoint, None, QuantScheme("int8", "int8", smooth_keys=False))[0] if int8 else checkpoint.state_dict
     model = Transformer.from_state_dict(checkpoint.config, sd, device="cuda")
     g = torch.Generator().manual_seed(1)
     stream = drift.Stream(tuple(torch.randint(0, 151936, (1280,), generator=g).tolist()), 1024)
-    ref = drift.reference_logits(ModelRunner(model, "reference", kv_int8=int8, max_seq_len=1280), stream)
+    ref = drift.full_logits(ModelRunner(model, "reference", kv_int8=int8, max_seq_len=1280), stream)
     stats, _ = drift.score(ModelRunner(model, backend, kv_int8=int8, max_seq_len=1280), ref, decode_steps=0)
     print(f"{backend} {quant}: mean KL {stats['kl_mean']:.2e}, top-1 {stats['top1_agree']:.4f}")
     row = dict(stats, prompt_set="random", dtype="bfloat16", kv_cache="int8" if int8 else "bf16")

@@ -1,37 +1,23 @@
-"""Benchmarks of the ops backends (``python -m tileinfer.bench.ops``) and the model shapes they use.
+"""Benchmark, profiling and ahead-of-time compile tooling for the ops backends (no kernels here).
 
-``MODELS`` holds the shapes of the checkpoints the engine ships configs for (hidden size, heads,
-KV heads, head dim, intermediate size, vocabulary): kernels are benchmarked, tested and compiled
-ahead of time at these shapes with random weights (decode speed does not depend on the values).
+* :mod:`.ops` - the op benchmark (``python -m tileinfer.bench.ops``): every op of each backend and
+  torch, timed from CUDA graphs against measured ceilings, with tile sweeps of both backends;
+  its cases live in :mod:`.cases`;
+* :mod:`.profile` - Nsight Compute profile of those cases;
+* :mod:`.decode` - whole-model decode speed, eager and from a CUDA graph;
+* :mod:`.aot` - every kernel the models launch compiled ahead of time, Triton or cuTile
+  (``python -m tileinfer.bench.aot``; on the CPU for sm_90 it is the CI compile check).
+
+Shapes come from the model registry (:func:`tileinfer.core.registry.model_config`: the ``config``
+of ``conf/model/NAME.yaml``), with random weights (speed does not depend on the values). Results and
+kernel notes are kept outside the package, in the top-level ``benchmarks/`` folder.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from tileinfer.core.config import ModelConfig
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    inter: int
-    vocab: int
-    qk_norm: bool = True
-    qkv_bias: bool = False
-
-    @property
-    def qkv_out(self) -> int:
-        return (self.heads + 2 * self.kv_heads) * self.head_dim
-
-
-MODELS = {m.name: m for m in [
-    ModelShape("qwen3-0.6b", 1024, 16, 8, 128, 3072, 151936),
-    ModelShape("qwen3-4b", 2560, 32, 8, 128, 9728, 151936),
-    ModelShape("qwen3-8b", 4096, 32, 8, 128, 12288, 151936),
-    ModelShape("qwen2.5-0.5b", 896, 14, 2, 64, 4864, 151936, qk_norm=False, qkv_bias=True),
-    ModelShape("qwen2.5-1.5b", 1536, 12, 2, 128, 8960, 151936, qk_norm=False, qkv_bias=True),
-    ModelShape("smollm2-135m", 576, 9, 3, 64, 1536, 49152, qk_norm=False),
-]}
+def qkv_out(c: ModelConfig) -> int:
+    """Rows of the stacked q/k/v projection: (heads + 2 * KV heads) * head_dim."""
+    return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim

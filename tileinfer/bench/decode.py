@@ -1,7 +1,8 @@
 """Decode speed of whole models on the GPU, eager and from a CUDA graph: ``python -m tileinfer.bench.decode``.
 
-For random-weight models with the shapes of ``conf/model/*-random.yaml`` (decode speed does not
-depend on the values), BF16 and INT8 (weights and KV cache), each fast backend and each context
+For random-weight models with the shapes of registered models (the ``config`` of
+``conf/model/NAME.yaml``, :func:`tileinfer.core.registry.model_config`; decode speed does not depend
+on the values), BF16 and INT8 (weights and KV cache), each fast backend and each context
 length: a prefill fills the cache with ``ctx`` tokens, then ``steps`` decode steps are timed twice on
 the same runner, eager (one Python launch per op: ``ModelRunner.step``) and replayed from the
 runner's captured CUDA graph (``ModelRunner.decode``), rolling the sequence back in between.
@@ -11,6 +12,7 @@ The roofline of a step is the bytes it must read (every weight once, the lm_head
 embedding table not; plus the KV cache of ``ctx`` positions) over the copy bandwidth measured in
 the same run (``tileinfer.bench.ops.measure_ceilings``). Prints and saves a table (Markdown and
 Parquet): ms per token, tok/s, the roofline's tok/s, the fraction of it reached, and graph / eager.
+What cuTile's programmatic dependent launch gains: the same run with ``TILEINFER_CUTILE_PDL=0``.
 """
 
 from __future__ import annotations
@@ -20,14 +22,13 @@ import sys
 import time
 
 import torch
-from omegaconf import OmegaConf
 
-from quantize import QuantSpec, apply
+from quantize import QuantScheme, apply
 from tileinfer.bench.ops import measure_ceilings, save
 from tileinfer.core.checkpoint.random_init import random_state_dict
-from tileinfer.core.config import ModelConfig
-from tileinfer.models import Transformer
+from tileinfer.core.registry import model_config, model_entry
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.models import Transformer
 
 
 def bytes_per_step(runner: ModelRunner, ctx: int) -> int:
@@ -60,15 +61,15 @@ def time_steps(runner: ModelRunner, seq, tokens: list[int], graph: bool) -> floa
 def bench_model(name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int,
                 copy_GBps: float, log=print) -> list[dict]:
     """Rows of one model (see the module docstring)."""
-    hf = OmegaConf.to_container(OmegaConf.load(f"conf/model/{name}.yaml").source.random.config)
-    config = ModelConfig.from_hf(hf)
+    config = model_config(name)  # raises UserError for a model without a config
+    hf = model_entry(name)["config"]
     sd = random_state_dict(hf, seed=0, device="cuda")
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (max(contexts) + steps + 2,), generator=g).tolist()
     rows = []
     for quant in quants:
         int8 = quant == "int8_both"
-        weights = apply(sd, config, QuantSpec("int8", "int8", smooth_keys=False))[0] if int8 else sd
+        weights = apply(sd, config, QuantScheme("int8", "int8", smooth_keys=False))[0] if int8 else sd
         model = Transformer.from_state_dict(config, weights, device="cuda")
         del weights
         for backend in backends:

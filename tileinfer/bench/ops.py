@@ -1,45 +1,58 @@
-"""Ops benchmark: every op of every requested backend, and torch (cuBLAS / SDPA), at model shapes.
+"""Op benchmark: every op of every requested backend, and torch (cuBLAS / SDPA), at model shapes.
 
-    python -m tileinfer.bench.ops [--backends triton,cutile] [--models qwen3-0.6b,qwen3-4b,qwen3-8b]
-                                  [--out DIR] [--sweep] [--precompile N]
+    python -m tileinfer.bench.ops [--backends triton,cutile] [--models qwen3-0.6b-random,...]
+                                  [--out DIR] [--ops OP,...] [--no-32k] [--precompile N]
+                                  [--sweep [--sweep-families F,...] [--apply-sweep]]
 
-For each model: the decode step's ops (one token; attention after 1k, 8k and 32k cached positions),
-a 16-row verify step's GEMVs and attention, and a 1,024-token prefill chunk's ops (plus prefill
-attention over 8,192 tokens), with BF16 and INT8 weights and KV caches. Random weights with the
-real shapes: speed does not depend on the values.
+For each model (registry names, conf/model): the cases of :mod:`tileinfer.bench.cases` - the decode
+step's ops (one token; attention after 1k, 8k and 32k cached positions), a 16-row verify step's
+GEMVs and attention, and a 1,024-token prefill chunk's ops (plus prefill attention over 8,192
+tokens), with BF16 and INT8 weights and KV caches. Random weights with the real shapes: speed does
+not depend on the values.
 
-Timing (METHOD.md): each op is captured ``n`` times into a CUDA graph, cycling over several argument
-sets whose bytes exceed the 60 MB L2 (so the weights come from HBM, as in a real step), and the
-graph is replayed; the median over replays of (replay time / n) is reported, so launch gaps are
-those of a graph replay, as in the engine. Ops that cannot be captured are timed eagerly with CUDA
-events (column ``graph`` False). Ceilings are measured in the same run: device-to-device copy of
-1 GiB (bytes read + written) and a bf16 8192^3 cuBLAS GEMM. Each row gets the achieved GB/s or
-TFLOP/s, its fraction of the ceiling, and ``vs_torch`` = torch time / backend time (> 1: faster).
+Timing: each op is captured ``n`` times into a CUDA graph, cycling over several argument sets whose
+bytes exceed the 60 MB L2 (so the weights come from HBM, as in a real step), and the graph is
+replayed; the median over replays of (replay time / n) is reported, so launch gaps are those of a
+graph replay, as in the engine. Ops that cannot be captured are timed eagerly with CUDA events
+(column ``graph`` False). Ceilings are measured in the same run: device-to-device copy of 1 GiB
+(bytes read + written) and a bf16 8192^3 cuBLAS GEMM. Each row gets the achieved GB/s or TFLOP/s,
+its fraction of the ceiling, and ``vs_torch`` = torch time / backend time (> 1: faster).
 
-``--sweep`` first times alternative tile configurations of the Triton kernels (the table in
-tileinfer/ops/triton/*.py was chosen this way). ``--precompile N`` compiles the Triton kernels in N
-processes first (compilation dominates a cold run otherwise). Results: DIR/ops.parquet, DIR/ops.md
-(and DIR/sweep.* with --sweep), written with polars, or pyarrow/pandas where polars is missing.
+``--sweep`` first times the alternative configurations of each backend's kernel families on the
+Qwen3-4B/8B shapes (:func:`sweep_families`: Triton's GEMV, GEMM and attention tiles, from which the
+tables in tileinfer/ops/triton/*.py were chosen; cuTile's skinny-GEMM plans and prefill-attention
+tiles). ``--precompile N`` first compiles every kernel the run launches, sweep configurations
+included, in N processes per backend through :mod:`tileinfer.bench.aot` (compilation dominates a
+cold run otherwise); the run then reports how many cuTile JIT compiles still happened (0 when the
+precompile predicted every launch). Results: DIR/ops.parquet, DIR/ops.md, DIR/targets.md (and
+DIR/sweep.* with --sweep), written with polars, or pyarrow where polars is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
+import functools
+import importlib
 import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from tileinfer.bench import MODELS, ModelShape
+from tileinfer.bench.aot import BACKENDS as AOT_BACKENDS
+from tileinfer.bench.aot import Call, compile_calls
+from tileinfer.bench.cases import TARGET_MODELS, Case, model_cases
+from tileinfer.core.errors import UserError
+from tileinfer.core.registry import model_config
 
 L2_BYTES = 60 * 2**20
-PAGE = 64
+LINEAR_OPS = ("linear", "swiglu", "lm_head")
 
 
 # ---------------------------------------------------------------------------- timing
@@ -119,242 +132,14 @@ def measure_ceilings(dev, warm_s: float = 1.5) -> dict:
     while time.perf_counter() - t0 < warm_s:
         a @ b
         torch.cuda.synchronize()
-    t_mm = _eager_us(lambda: a @ b)
+    t_mm = _eager_us(lambda a=a, b=b: a @ b)  # defaults, not closures: the del below frees them
     del a, b
     x = torch.empty(2**30, dtype=torch.uint8, device=dev).random_(0, 255)
     y = torch.empty_like(x)
-    t_copy = _eager_us(lambda: y.copy_(x))
+    t_copy = _eager_us(lambda x=x, y=y: y.copy_(x))
     del x, y
     torch.cuda.empty_cache()
     return dict(copy_GBps=2 * 2**30 / t_copy / 1e3, gemm_TFLOPs=2 * 8192**3 / t_mm / 1e6)
-
-
-# ---------------------------------------------------------------------------- cases
-
-
-@dataclass
-class Case:
-    """One op at one shape. ``make(device)`` builds an argument set (a dict)."""
-
-    model: str
-    phase: str  # decode / verify / prefill
-    op: str
-    shape: str
-    variant: str  # bf16 / int8w / int8kv ...
-    make: Callable[[str], dict]
-    call: Callable  # call(ops, args)
-    torch_call: Callable | None  # torch_call(args)
-    nbytes: int = 0
-    flops: int = 0
-    tags: dict = field(default_factory=dict)
-
-    def fn(self, ops) -> Callable:
-        """The op as ``fn(args)``: through a backend module, or torch's path when ``ops == "torch"``."""
-        return self.torch_call if ops == "torch" else (lambda a: self.call(ops, a))
-
-    @property
-    def metric(self) -> str:
-        return "TFLOP/s" if self.flops and self.phase == "prefill" and self.op in (
-            "linear", "swiglu", "attention") else "GB/s"
-
-
-def _rand_w(n, k, dev, int8):
-    from tileinfer.ops import Int8Weight
-
-    if int8:
-        return Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev),
-                          torch.rand(n, device=dev) * 1e-3 + 1e-4)
-    return torch.randn(n, k, device=dev).to(torch.bfloat16) * k**-0.5
-
-
-def _wbytes(n, k, int8):
-    return n * k * (1 if int8 else 2) + (4 * n if int8 else 0)
-
-
-def _torch_linear(a):
-    from tileinfer.ops import Int8Weight
-
-    w = a["w"]
-    if isinstance(w, Int8Weight):  # the torch path for weight-only INT8: dequantize, cuBLAS, scale
-        return (F.linear(a["x"], w.q.to(a["x"].dtype)).float() * w.scale).to(a["x"].dtype)
-    return F.linear(a["x"], w, a.get("b"))
-
-
-def _torch_swiglu(a):
-    from tileinfer.ops import reference
-
-    return reference.swiglu(a["x"], a["w"])
-
-
-def _torch_lm_head(a):
-    from tileinfer.ops import Int8Weight
-
-    w = a["w"]
-    if isinstance(w, Int8Weight):
-        return F.linear(a["x"], w.q.to(a["x"].dtype)).float() * w.scale
-    try:  # cuBLAS bf16 product with float32 output
-        return torch.mm(a["x"], w.t(), out_dtype=torch.float32)
-    except Exception:
-        return F.linear(a["x"], w).float()
-
-
-def linear_cases(m: ModelShape, phase: str, T: int, dev_hint="cuda") -> list[Case]:
-    """GEMV (T <= 16) or GEMM cases of one model: qkv, o, gate_up (SwiGLU), down, lm_head."""
-    out = []
-    shapes = [("qkv", m.qkv_out, m.hidden, "linear"), ("o", m.hidden, m.heads * m.head_dim, "linear"),
-              ("gate_up", 2 * m.inter, m.hidden, "swiglu"), ("down", m.hidden, m.inter, "linear")]
-    if phase == "prefill" and m.name == "qwen3-4b":  # the gate/up GEMM without the SwiGLU epilogue
-        shapes.append(("gate_up_plain", 2 * m.inter, m.hidden, "linear"))
-    if phase == "decode":
-        shapes.append(("lm_head", m.vocab, m.hidden, "lm_head"))
-    for int8 in (False, True):
-        for name, n, k, op in shapes:
-            def make(dev, n=n, k=k, int8=int8, T=T, name=name):
-                a = dict(x=torch.randn(T, k, device=dev).to(torch.bfloat16), w=_rand_w(n, k, dev, int8))
-                if name == "qkv" and m.qkv_bias:
-                    a["b"] = torch.randn(n, device=dev).to(torch.bfloat16)
-                return a
-            call = {"linear": lambda ops, a: ops.linear(a["x"], a["w"], a.get("b")),
-                    "swiglu": lambda ops, a: ops.swiglu(a["x"], a["w"]),
-                    "lm_head": lambda ops, a: ops.lm_head(a["x"], a["w"])}[op]
-            tcall = {"linear": _torch_linear, "swiglu": _torch_swiglu, "lm_head": _torch_lm_head}[op]
-            n_out = n // 2 if op == "swiglu" else n
-            obytes = T * n_out * (4 if op == "lm_head" else 2)
-            # the key the backend's tile table uses for this shape (GEMV: weight rows, K; GEMM: M, N, K)
-            cfg_key = (n, k) if T <= 16 else (T, n_out, k)
-            out.append(Case(m.name, phase, op, f"{name} {T}x{k}->{n}", "int8w" if int8 else "bf16",
-                            make, call, tcall, nbytes=_wbytes(n, k, int8) + 2 * T * k + obytes,
-                            flops=2 * T * n * k, tags=dict(weight=name, n=n, k=k, T=T, cfg_key=cfg_key)))
-    return out
-
-
-def _kv(m: ModelShape, L: int, int8: bool, dev, extra_pages: int = 0):
-    """A one-layer page pool holding L random positions, pages scattered, and its block table."""
-    from tileinfer.core.kv_cache import PagedKVCache
-
-    n_pages = -(-L // PAGE) + extra_pages
-    kv = PagedKVCache(1, n_pages, PAGE, m.kv_heads, m.head_dim, torch.bfloat16, int8, dev)
-    if int8:
-        kv.k.random_(-127, 128)
-        kv.v.random_(-127, 128)
-        kv.k_scale.uniform_(0.005, 0.02)
-        kv.v_scale.uniform_(0.005, 0.02)
-    else:
-        kv.k.normal_()
-        kv.v.normal_()
-    bt = torch.randperm(n_pages, device=dev).to(torch.int32)
-    return kv.layers[0], bt
-
-
-def _kv_bytes(m: ModelShape, L: int, int8: bool) -> int:
-    per = m.kv_heads * m.head_dim * (1 if int8 else 2) + (m.kv_heads * 4 if int8 else 0)
-    return 2 * L * per
-
-
-def _sdpa(a):
-    """torch's path: SDPA over a contiguous cache (flash for prefill; GQA without copies)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if a.get("flash"):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(a["tq"], a["tk"], a["tv"], is_causal=True)
-    return F.scaled_dot_product_attention(a["tq"], a["tk"], a["tv"], enable_gqa=True)
-
-
-def attention_cases(m: ModelShape, phase: str, T: int, contexts) -> list[Case]:
-    out = []
-    for L in contexts:
-        for int8 in (False, True):
-            def make(dev, L=L, int8=int8, T=T):
-                layer, bt = _kv(m, L, int8, dev)
-                a = dict(q=torch.randn(T, m.heads, m.head_dim, device=dev).to(torch.bfloat16),
-                         layer=layer, bt=bt,
-                         pos=torch.arange(L - T, L, dtype=torch.int32, device=dev))
-                if dev != "meta":  # torch's inputs: contiguous [1, heads, L, d]
-                    kvh = m.kv_heads if phase != "prefill" else m.heads
-                    a["tq"] = a["q"].transpose(0, 1)[None]
-                    a["tk"] = torch.randn(1, kvh, L, m.head_dim, device=dev).to(torch.bfloat16)
-                    a["tv"] = torch.randn(1, kvh, L, m.head_dim, device=dev).to(torch.bfloat16)
-                    a["flash"] = phase == "prefill"
-                return a
-            causal = T * (L - T) + T * (T + 1) // 2  # visible (query, key) pairs
-            out.append(Case(m.name, phase, "attention", f"T={T} ctx={L}", "int8kv" if int8 else "bf16",
-                            make, lambda ops, a: ops.attention(a["q"], a["layer"], a["bt"], a["pos"],
-                                                               m.head_dim ** -0.5),
-                            _sdpa, nbytes=_kv_bytes(m, L, int8), flops=4 * causal * m.heads * m.head_dim,
-                            tags=dict(ctx=L, T=T)))
-    return out
-
-
-def small_cases(m: ModelShape, phase: str, T: int) -> list[Case]:
-    from tileinfer.ops import reference
-
-    bf = torch.bfloat16
-    H, d = m.hidden, m.head_dim
-    out = [
-        Case(m.name, phase, "embedding", f"T={T} H={H}", "bf16",
-             lambda dev: dict(ids=torch.randint(0, m.vocab, (T,), device=dev),
-                              table=torch.randn(m.vocab, H, device=dev).to(bf)),
-             lambda ops, a: ops.embedding(a["ids"], a["table"]),
-             lambda a: F.embedding(a["ids"], a["table"]), nbytes=2 * 2 * T * H),
-        Case(m.name, phase, "rms_norm", f"T={T} H={H}", "bf16",
-             lambda dev: dict(x=torch.randn(T, H, device=dev).to(bf), w=torch.randn(H, device=dev).to(bf)),
-             lambda ops, a: ops.rms_norm(a["x"], a["w"], 1e-6),
-             lambda a: F.rms_norm(a["x"], (H,), a["w"], 1e-6), nbytes=2 * 2 * T * H),
-        Case(m.name, phase, "add_rms_norm", f"T={T} H={H}", "bf16",
-             lambda dev: dict(x=torch.randn(T, H, device=dev).to(bf), r=torch.randn(T, H, device=dev).to(bf),
-                              w=torch.randn(H, device=dev).to(bf)),
-             lambda ops, a: ops.add_rms_norm(a["x"], a["r"], a["w"], 1e-6),
-             lambda a: (lambda s: (F.rms_norm(s, (H,), a["w"], 1e-6), s))(a["x"] + a["r"]),
-             nbytes=4 * 2 * T * H),
-    ]
-    for int8 in (False, True):
-        def make(dev, int8=int8):
-            L = 4096
-            layer, bt = _kv(m, L, int8, dev)
-            qkv = torch.randn(T, m.qkv_out, device=dev).to(bf)
-            q, k, v = qkv.split([m.heads * d, m.kv_heads * d, m.kv_heads * d], dim=-1)
-            ang = torch.rand(L, d // 2, device=dev)
-            return dict(q=q.view(T, m.heads, d), k=k.view(T, m.kv_heads, d), v=v.view(T, m.kv_heads, d),
-                        qn=torch.randn(d, device=dev).to(bf) if m.qk_norm else None,
-                        kn=torch.randn(d, device=dev).to(bf) if m.qk_norm else None,
-                        cos=ang.cos(), sin=ang.sin(), layer=layer, bt=bt,
-                        pos=torch.arange(L - T - 7, L - 7, dtype=torch.int32, device=dev))
-        call = lambda ops, a: ops.qk_norm_rope_kv_write(a["q"], a["k"], a["v"], a["qn"], a["kn"], 1e-6,  # noqa: E731
-                                                         a["cos"], a["sin"], a["layer"], a["bt"], a["pos"])
-        out.append(Case(m.name, phase, "qk_norm_rope_kv_write", f"T={T}", "int8kv" if int8 else "bf16",
-                        make, call, lambda a: call(reference, a),
-                        nbytes=2 * T * (m.qkv_out + m.heads * d) + T * _kv_bytes(m, 1, int8)))
-    if phase == "decode":
-        def mk(dev):
-            return dict(x=torch.randn(T, m.vocab, device=dev) * 3)
-        out.append(Case(m.name, phase, "argmax", f"T={T} V={m.vocab}", "f32", mk,
-                        lambda ops, a: ops.argmax(a["x"]), lambda a: a["x"].argmax(-1),
-                        nbytes=4 * T * m.vocab))
-        out.append(Case(m.name, phase, "sample", f"T={T} V={m.vocab} t=0.7 k=20 p=0.95", "f32", mk,
-                        lambda ops, a: ops.sample(a["x"], 0.7, 20, 0.95, None),
-                        lambda a: reference.sample(a["x"], 0.7, 20, 0.95, None),
-                        nbytes=4 * T * m.vocab))
-        # top-p alone on flat random logits: a nucleus of thousands of tokens (the slow exact path)
-        out.append(Case(m.name, phase, "sample", f"T={T} V={m.vocab} t=1 k=0 p=0.9 flat", "f32", mk,
-                        lambda ops, a: ops.sample(a["x"], 1.0, 0, 0.9, None),
-                        lambda a: reference.sample(a["x"], 1.0, 0, 0.9, None),
-                        nbytes=4 * T * m.vocab))
-    return out
-
-
-def model_cases(m: ModelShape, long_ctx: bool = True) -> list[Case]:
-    cs = []
-    cs += small_cases(m, "decode", 1)
-    cs += linear_cases(m, "decode", 1)
-    cs += attention_cases(m, "decode", 1, [1024, 8192, 32768] if long_ctx else [1024, 8192])
-    cs += linear_cases(m, "verify", 16)
-    cs += attention_cases(m, "verify", 16, [8192])
-    cs += small_cases(m, "prefill", 1024)
-    cs += linear_cases(m, "prefill", 1024)
-    cs += attention_cases(m, "prefill", 1024, [1024])
-    cs += attention_cases(m, "prefill", 8192, [8192])
-    return cs
 
 
 def _arg_bytes(v) -> int:
@@ -373,107 +158,237 @@ def _n_sets(args: dict) -> int:
     nb = sum(_arg_bytes(v) for v in args.values())
     return max(2, min(16, math.ceil(3 * L2_BYTES / max(nb, 1))))
 
+# ---------------------------------------------------------------------------- tile sweeps
 
-# ---------------------------------------------------------------------------- sweep (triton)
+
+@dataclass(frozen=True)
+class Family:
+    """Alternative configurations of one kernel family of one backend, timed by ``--sweep``.
+
+    ``install(cfg)`` makes the backend launch with ``cfg`` from then on and returns a function that
+    puts the previous setting back. ``per_shape``: the override also takes {cfg_key: cfg} (see
+    ``Case.tags["cfg_key"]``), so ``--apply-sweep`` installs each shape's winner.
+    """
+
+    backend: str
+    name: str
+    configs: list
+    keep: Callable[[Case], bool]
+    install: Callable[[object], Callable[[], None]]
+    per_shape: bool = False
+
+    @contextlib.contextmanager
+    def using(self, cfg):
+        undo = self.install(cfg)
+        try:
+            yield
+        finally:
+            undo()
 
 
-def sweep_specs():
-    """(kernel family, module, override key, configs, case filter) for the Triton tile sweep."""
-    dec = lambda v: (lambda c: c.phase == "decode" and c.op in ("linear", "swiglu", "lm_head")  # noqa: E731
-                     and c.variant == v)
-    ver = lambda v: (lambda c: c.phase == "verify" and c.op in ("linear", "swiglu") and c.variant == v)  # noqa: E731
-    pre = lambda v: (lambda c: c.phase == "prefill" and c.op in ("linear", "swiglu") and c.variant == v)  # noqa: E731
+def _triton_override(module: str, key: str) -> Callable:
+    """Install a config as ``tileinfer.ops.triton.<module>._OVERRIDE[key]`` (read at each launch)."""
+    def install(cfg):
+        overrides = importlib.import_module(f"tileinfer.ops.triton.{module}")._OVERRIDE
+        overrides[key] = cfg
+        return lambda: overrides.pop(key, None)
+    return install
+
+
+def _cutile_gemv_plan(cfg: dict) -> Callable[[], None]:
+    """Install a skinny-GEMM plan for every GEMV: tile rows TN, tile depth TK, split-K factor S."""
+    from tileinfer.ops.cutile import gemm
+
+    prev, gemm.PLAN_OVERRIDE = gemm.PLAN_OVERRIDE, dict(cfg)
+    return lambda: setattr(gemm, "PLAN_OVERRIDE", prev)
+
+
+def _cutile_prefill_attention(cfg: tuple) -> Callable[[], None]:
+    """Install (query rows per block, the kernel's occupancy / worker-warp hints or None)."""
+    from tileinfer.ops.cutile import paged_attention as A
+
+    prev = A.prefill_attention_kernel, A.PREFILL_TM
+    rows, hints = cfg
+    A.prefill_attention_kernel = prev[0].replace_hints(**hints) if hints else prev[0]
+    A.PREFILL_TM = rows
+
+    def undo():
+        A.prefill_attention_kernel, A.PREFILL_TM = prev
+    return undo
+
+
+def sweep_families() -> list[Family]:
+    """Every tile sweep: Triton's table entries (GEMV at 1 and 16 rows, GEMM, decode and prefill
+    attention), cuTile's skinny-GEMM plans and prefill-attention tiles (128-row tiles with the
+    default hints, 64-row tiles at two blocks per SM, 64-row tiles with the default hints)."""
+    def linear(phase, variant):
+        return lambda c: c.phase == phase and c.op in LINEAR_OPS and c.variant == variant
+
+    def long_decode(c):
+        return c.phase == "decode" and c.op == "attention" and c.tags["ctx"] >= 8192
+
+    def prefill_attention(c):
+        return c.phase == "prefill" and c.op == "attention"
+
+    gemm, attn = functools.partial(_triton_override, "gemm"), functools.partial(_triton_override, "paged_attention")
+    gemv16 = [(32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4)]
     gemm_cfgs = [(128, 128, 64, 8, 8, 3, "ptr"), (128, 128, 64, 8, 8, 4, "tma"),
                  (128, 128, 64, 8, 8, 4, "tma_ws"), (128, 256, 64, 8, 8, 3, "tma"),
                  (128, 256, 64, 8, 8, 3, "tma_ws"), (128, 64, 64, 8, 4, 4, "tma"),
                  (256, 128, 64, 8, 8, 3, "ptr")]
     return [
-        ("gemv1 bf16", "gemm", "gemv1_bf16", [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1)],
-         dec("bf16")),
-        ("gemv1 int8", "gemm", "gemv1_int8",
-         [(8, 1024, 4, 1, 1), (16, 512, 4, 1, 1), (16, 1024, 4, 1, 1), (32, 256, 4, 1, 1),
-          (32, 512, 8, 1, 1), (16, 512, 4, 2, 2), (16, 512, 4, 1, 2), (16, 1024, 8, 1, 2),
-          (32, 512, 8, 1, 2), (16, 2048, 8, 1, 1), (8, 2048, 4, 1, 2), (4, 2048, 4, 1, 1),
-          (4, 1024, 4, 1, 1), (4, 2048, 4, 1, 2), (8, 512, 4, 1, 1)], dec("int8w")),
-        ("gemv16 bf16", "gemm", "gemv16_bf16", [(32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4)],
-         ver("bf16")),
-        ("gemv16 int8", "gemm", "gemv16_int8", [(32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4)],
-         ver("int8w")),
-        ("gemm bf16", "gemm", "gemm_bf16", gemm_cfgs, pre("bf16")),
-        ("gemm int8", "gemm", "gemm_int8", gemm_cfgs, pre("int8w")),
-        ("decode attn tile", "paged_attention", "decode_tile", [(64, 4, 2), (64, 4, 1), (128, 4, 3), (128, 4, 1)],
-         lambda c: c.phase == "decode" and c.op == "attention" and c.tags["ctx"] >= 8192),
-        ("decode attn programs", "paged_attention", "programs", [264, 528, 1056],
-         lambda c: c.phase == "decode" and c.op == "attention" and c.tags["ctx"] >= 8192),
-        ("prefill attn tile", "paged_attention", "prefill_tile",
-         [(128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
-         lambda c: c.phase == "prefill" and c.op == "attention"),
+        Family("triton", "gemv1 bf16", [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1)],
+               linear("decode", "bf16"), gemm("gemv1_bf16"), per_shape=True),
+        Family("triton", "gemv1 int8",
+               [(8, 1024, 4, 1, 1), (16, 512, 4, 1, 1), (16, 1024, 4, 1, 1), (32, 256, 4, 1, 1),
+                (32, 512, 8, 1, 1), (16, 512, 4, 2, 2), (16, 512, 4, 1, 2), (16, 1024, 8, 1, 2),
+                (32, 512, 8, 1, 2), (16, 2048, 8, 1, 1), (8, 2048, 4, 1, 2), (4, 2048, 4, 1, 1),
+                (4, 1024, 4, 1, 1), (4, 2048, 4, 1, 2), (8, 512, 4, 1, 1)],
+               linear("decode", "int8w"), gemm("gemv1_int8"), per_shape=True),
+        Family("triton", "gemv16 bf16", gemv16, linear("verify", "bf16"), gemm("gemv16_bf16"), per_shape=True),
+        Family("triton", "gemv16 int8", gemv16, linear("verify", "int8w"), gemm("gemv16_int8"), per_shape=True),
+        Family("triton", "gemm bf16", gemm_cfgs, linear("prefill", "bf16"), gemm("gemm_bf16"), per_shape=True),
+        Family("triton", "gemm int8", gemm_cfgs, linear("prefill", "int8w"), gemm("gemm_int8"), per_shape=True),
+        Family("triton", "decode attn tile", [(64, 4, 2), (64, 4, 1), (128, 4, 3), (128, 4, 1)], long_decode,
+               attn("decode_tile")),
+        Family("triton", "decode attn programs", [264, 528, 1056], long_decode, attn("programs")),
+        Family("triton", "prefill attn tile", [(128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+               prefill_attention, attn("prefill_tile")),
+        Family("cutile", "cutile gemv plan",
+               [dict(TN=tn, TK=tk, S=s) for tn in (64, 128) for tk in (64, 128, 256) for s in (1, 4)],
+               lambda c: c.phase == "decode" and c.op == "linear" and c.variant == "bf16", _cutile_gemv_plan),
+        Family("cutile", "cutile prefill attn",
+               [(128, None), (64, {"occupancy": 2, "num_worker_warps": None}), (64, None)],
+               prefill_attention, _cutile_prefill_attention),
     ]
 
 
-PER_SHAPE = ("gemv1_bf16", "gemv1_int8", "gemv16_bf16", "gemv16_int8", "gemm_bf16", "gemm_int8")
+def select_families(names: str, backends) -> list[Family]:
+    """The families of ``backends`` named in comma-separated ``names`` (all of them when empty)."""
+    want = {f.strip() for f in names.split(",") if f.strip()}
+    return [f for f in sweep_families() if f.backend in backends and (not want or f.name in want)]
+
+
+def sweep_cases(fam: Family, models, long_ctx: bool = True) -> list[Case]:
+    """The cases ``fam`` is timed on: its cases of ``models``, of which GEMV/GEMM families keep every
+    weight of Qwen3-4B and only down and gate_up of the others (the shapes 4B does not have)."""
+    cases = [c for name in models for c in model_cases(name, long_ctx) if fam.keep(c)]
+    return [c for c in cases if c.op not in LINEAR_OPS or c.model == TARGET_MODELS[0]
+            or c.tags.get("weight") in ("down", "gate_up")]
+
+
+def run_sweep(models, backends: dict, ceil: dict, dev, budget_s: float, families: str = "",
+              long_ctx: bool = True, log=print) -> list[dict]:
+    """Time every config of the selected families of ``backends`` ({name: module}) on their cases;
+    one row per (case, config), as the main table's plus family, config and cfg_key (strings)."""
+    rows = []
+    t0 = time.perf_counter()
+    for fam in select_families(families, backends):
+        ops = backends[fam.backend]
+        for c in sweep_cases(fam, models, long_ctx):
+            if time.perf_counter() - t0 > budget_s:
+                break
+            try:
+                a0 = c.make(dev)
+                sets = [a0] + [c.make(dev) for _ in range(_n_sets(a0) - 1)]
+            except torch.cuda.OutOfMemoryError:
+                continue
+            for cfg in fam.configs:
+                try:
+                    with fam.using(cfg):
+                        us, _ = _median_graph_us(c.fn(ops), sets, 1.0, 5)
+                    r = _table_rows(c, fam.backend, us, True, ceil, None)
+                    r.update(family=fam.name, config=str(cfg), cfg_key=str(c.tags.get("cfg_key")))
+                    rows.append(r)
+                    log(f"sweep {fam.name:20s} {str(cfg):24s} {c.model:15s} {c.op:9s} {c.shape:26s} {c.variant:6s} "
+                        f"{us:9.2f} us {100 * r['frac_ceiling']:5.1f}%")
+                except Exception as e:
+                    log(f"sweep {fam.name} {cfg} {c.shape}: {type(e).__name__}: {str(e)[:300]}")
+            del sets, a0
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_winners(srows: list[dict]) -> dict:
+    """Per family: the config with the lowest geometric-mean time over the family's cases (only
+    cases every config finished), its score per config, and the per-shape winners (for the notes,
+    and by cfg_key for ``--apply-sweep``)."""
+    best = {}
+    for fam in sweep_families():
+        rs = [r for r in srows if r["family"] == fam.name]
+        configs = {str(cfg): cfg for cfg in fam.configs}
+
+        def shape(r):
+            return r["model"], r["shape"], r["variant"]
+        full = {sh for sh in map(shape, rs) if len({r["config"] for r in rs if shape(r) == sh}) == len(configs)}
+        if not full:
+            continue
+        score = {}
+        for cs in configs:
+            ts = [r["us"] for r in rs if r["config"] == cs and shape(r) in full]
+            score[cs] = math.exp(sum(math.log(t) for t in ts) / len(ts))
+        per_shape, by_key = {}, {}
+        for sh in full:
+            win = min((r for r in rs if shape(r) == sh), key=lambda r: r["us"])
+            per_shape[sh] = win["config"]
+            if win["cfg_key"] != "None":
+                by_key[ast.literal_eval(win["cfg_key"])] = configs[win["config"]]
+        best[fam.name] = dict(family=fam, config=configs[min(score, key=score.get)], score=score,
+                              per_shape=per_shape, by_key=by_key)
+    return best
 
 
 # ---------------------------------------------------------------------------- precompile
 
 
-def _precompile_worker(args):
-    """Compile (no launch) the Triton kernels of some cases, for the current GPU, into the cache."""
-    model_names, sweep_idx, sweep_cfg, long_ctx, cap = args
-    import importlib
-
-    from triton.backends.compiler import GPUTarget
-
-    from tileinfer.bench import aot_triton as aot
-
-    ops = importlib.import_module("tileinfer.ops.triton")
-    mod = key = None
-    n, errors = 0, []
-    with aot.compiling(GPUTarget("cuda", cap, 32)):
-        if sweep_idx is not None:
-            _, modname, key, _, filt = sweep_specs()[sweep_idx]
-            mod = importlib.import_module(f"tileinfer.ops.triton.{modname}")
-            mod._OVERRIDE[key] = sweep_cfg
-        for name in model_names:
-            for c in model_cases(MODELS[name], long_ctx):
-                if sweep_idx is not None and not filt(c):
-                    continue
-                try:
-                    c.call(ops, c.make("meta"))
-                    n += 1
-                except Exception as e:  # reported; the timed run reports it again
-                    errors.append(f"{c.model} {c.op} {c.shape} {c.variant} {sweep_cfg}: "
-                                  f"{type(e).__name__}: {str(e)[:300]}")
-    if mod is not None:
-        mod._OVERRIDE.pop(key, None)
-    return n, errors
+def _launch_case(c: Case, ops) -> None:
+    c.call(ops, c.make("meta"))
 
 
-def _families(names: str) -> list[int]:
-    specs = sweep_specs()
-    want = [f.strip() for f in names.split(",") if f.strip()]
-    return [i for i, sp in enumerate(specs) if not want or sp[0] in want]
+def _launch_case_with(fam: Family, cfg, c: Case, ops) -> None:
+    with fam.using(cfg):
+        c.call(ops, c.make("meta"))
 
 
-def precompile(models, nproc: int, sweep: bool, long_ctx: bool, cap: int = 90,
-               families: str = "") -> float:
-    """Compile, in ``nproc`` processes, every Triton kernel the benchmark will launch (cap: sm_XY)."""
-    import multiprocessing as mp
+def bench_calls(backend: str, models, long_ctx: bool, sweep_models, families: str) -> list[Call]:
+    """The run's launches as ahead-of-time calls (:mod:`tileinfer.bench.aot`): every case of
+    ``models``, and every config of the selected sweep families of ``backend`` on their cases of
+    ``sweep_models``."""
+    def label(c):
+        return f"{c.model} {c.phase} {c.op} {c.shape} {c.variant}"
+    calls = [Call(label(c), functools.partial(_launch_case, c)) for name in models for c in model_cases(name, long_ctx)]
+    for fam in select_families(families, (backend,)):
+        for cfg in fam.configs:
+            calls += [Call(f"{label(c)} {fam.name} {cfg}", functools.partial(_launch_case_with, fam, cfg, c))
+                      for c in sweep_cases(fam, sweep_models, long_ctx)]
+    return calls
 
+
+def precompile(backends, models, jobs: int, long_ctx: bool, sweep_models, families: str, arch: str) -> float:
+    """Compile every kernel of :func:`bench_calls` for ``arch`` in ``jobs`` processes per backend, so
+    that the timed run finds them in the disk caches; print the failures. Returns seconds taken."""
     t0 = time.perf_counter()
-    jobs = [([m], None, None, long_ctx, cap) for m in models]
-    if sweep:
-        for i, (_, _, _, cfgs, _) in enumerate(sweep_specs()):
-            if i not in _families(families):
-                continue
-            for cfg in cfgs:
-                jobs.append((["qwen3-4b", "qwen3-8b"], i, cfg, long_ctx, cap))
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(nproc) as pool:
-        for _, errors in pool.imap_unordered(_precompile_worker, jobs):
-            for e in errors:
-                print("precompile:", e, flush=True)
+    for backend in backends:
+        recs = compile_calls(backend, bench_calls, (backend, models, long_ctx, sweep_models, families), arch, jobs)
+        failed = [r for r in recs if r["error"]]
+        print(f"precompile {backend}: {len(recs) - len(failed)} kernels for {arch}, {len(failed)} failed", flush=True)
+        for r in failed:  # the timed run reports these cases again
+            print(f"precompile {backend}: {r['kernel']} {r['variant']}: {r['error'][:300]}", flush=True)
     return time.perf_counter() - t0
+
+
+def _count_cutile_compiles() -> list[int]:
+    """Count tileiras runs from now on (cuTile's JIT runs it on a disk-cache miss only); returns a
+    one-element list that holds the count."""
+    import cuda.tile._compile as jit
+
+    count, compile_cubin = [0], jit.compile_cubin
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return compile_cubin(*args, **kwargs)
+    jit.compile_cubin = counting
+    return count
 
 
 # ---------------------------------------------------------------------------- run
@@ -524,80 +439,6 @@ def run_cases(cases, backends: dict, ceil: dict, dev, budget_s: float, log=print
     return rows
 
 
-_CFG: dict = {}  # config string -> config (the sweep's rows hold strings)
-_KEY: dict = {}
-
-
-def sweep_winners(srows: list[dict]) -> dict:
-    """Per family: the config with the lowest geometric-mean time over the family's cases
-    (only cases every config finished), and the per-shape winners for the notes."""
-    best = {}
-    for fam, modname, key, cfgs, _ in sweep_specs():
-        rs = [r for r in srows if r["family"] == fam]
-        shapes = {(r["model"], r["shape"], r["variant"]) for r in rs}
-        full = [sh for sh in shapes if len({r["config"] for r in rs if (r["model"], r["shape"], r["variant"]) == sh}) == len(cfgs)]
-        if not full:
-            continue
-        score = {}
-        for cfg in cfgs:
-            ts = [r["us"] for r in rs if r["config"] == str(cfg) and (r["model"], r["shape"], r["variant"]) in full]
-            score[cfg] = math.exp(sum(math.log(t) for t in ts) / len(ts))
-        win = min(score, key=score.get)
-        per_shape, by_key = {}, {}
-        for sh in full:
-            cand = [r for r in rs if (r["model"], r["shape"], r["variant"]) == sh]
-            bestr = min(cand, key=lambda r: r["us"])
-            per_shape[sh] = bestr["config"]
-            if bestr.get("cfg_key") in _KEY and _KEY[bestr["cfg_key"]] is not None:
-                by_key[_KEY[bestr["cfg_key"]]] = _CFG.get(bestr["config"], bestr["config"])
-        best[fam] = dict(module=modname, key=key, config=win, score=score, per_shape=per_shape,
-                         by_key=by_key)
-    return best
-
-
-def run_sweep(models, ceil, dev, budget_s, log=print, families: str = "") -> list[dict]:
-    import importlib
-
-    import tileinfer.ops.triton as ops
-
-    rows = []
-    t0 = time.perf_counter()
-    keep = _families(families)
-    for i, (fam, modname, key, cfgs, filt) in enumerate(sweep_specs()):
-        if i not in keep:
-            continue
-        mod = importlib.import_module(f"tileinfer.ops.triton.{modname}")
-        cases = [c for name in models for c in model_cases(MODELS[name]) if filt(c)]
-        if fam.startswith("gemv") or fam.startswith("gemm"):  # 4B all weights, 8B only its own shapes
-            cases = [c for c in cases if c.model == "qwen3-4b" or c.tags.get("weight") in ("down", "gate_up")]
-        for c in cases:
-            if time.perf_counter() - t0 > budget_s:
-                break
-            try:
-                a0 = c.make(dev)
-                sets = [a0] + [c.make(dev) for _ in range(_n_sets(a0) - 1)]
-            except torch.cuda.OutOfMemoryError:
-                continue
-            for cfg in cfgs:
-                mod._OVERRIDE[key] = cfg
-                try:
-                    us, _ = _median_graph_us(c.fn(ops), sets, 1.0, 5)
-                    r = _table_rows(c, "triton", us, True, ceil, None)
-                    r.update(family=fam, config=str(cfg), cfg_key=str(c.tags.get("cfg_key")))
-                    _CFG[str(cfg)] = cfg
-                    _KEY[str(c.tags.get("cfg_key"))] = c.tags.get("cfg_key")
-                    rows.append(r)
-                    log(f"sweep {fam:20s} {str(cfg):24s} {c.model:9s} {c.op:9s} {c.shape:26s} {c.variant:6s} "
-                        f"{us:9.2f} us {100 * r['frac_ceiling']:5.1f}%")
-                except Exception as e:
-                    log(f"sweep {fam} {cfg} {c.shape}: {type(e).__name__}: {str(e)[:300]}")
-                finally:
-                    mod._OVERRIDE.pop(key, None)
-            del sets, a0
-            torch.cuda.empty_cache()
-    return rows
-
-
 # ---------------------------------------------------------------------------- targets
 
 
@@ -617,18 +458,17 @@ def targets(rows: list[dict], backend: str) -> list[str]:
     for r in rows:
         if r["backend"] != backend:
             continue
-        if r["phase"] == "decode" and r["op"] in ("linear", "swiglu", "lm_head") and r["variant"] == "bf16" \
-                and r["model"] in ("qwen3-4b", "qwen3-8b"):
+        if r["phase"] == "decode" and r["op"] in LINEAR_OPS and r["variant"] == "bf16" and r["model"] in TARGET_MODELS:
             line(f"{r['model']} GEMV {r['shape']}: fraction of copy bandwidth", r["frac_ceiling"], 0.85)
             line(f"{r['model']} GEMV {r['shape']}: x cuBLAS", r["vs_torch"], 1.1)
             q = get(r["model"], "decode", r["op"], r["shape"], "int8w", backend)
             if q:
                 line(f"{r['model']} INT8 GEMV {r['shape']}: x BF16 GEMV", r["us"] / q["us"], 1.8)
-        if r["phase"] == "decode" and r["op"] == "attention" and r["model"] in ("qwen3-4b", "qwen3-8b") \
+        if r["phase"] == "decode" and r["op"] == "attention" and r["model"] in TARGET_MODELS \
                 and r["shape"].split("ctx=")[-1] in ("8192", "32768"):
             line(f"{r['model']} split-KV decode {r['shape']} {r['variant']}: fraction of copy BW",
                  r["frac_ceiling"], 0.75)
-        if r["phase"] == "prefill" and r["op"] in ("linear", "swiglu") and r["model"] == "qwen3-4b":
+        if r["phase"] == "prefill" and r["op"] in ("linear", "swiglu") and r["model"] == TARGET_MODELS[0]:
             if r["variant"] == "bf16":
                 line(f"4B prefill GEMM {r['shape']}: x cuBLAS", r["vs_torch"], 0.95)
             else:
@@ -669,29 +509,38 @@ def save(rows: list[dict], out_dir: str, name: str, header: str = "") -> None:
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(header + _markdown(rows, cols))
 
-
 def main(argv=None) -> int:
     from tileinfer.ops import get_backend
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cutile")
-    p.add_argument("--models", default="qwen3-0.6b,qwen3-4b,qwen3-8b")
+    p.add_argument("--models", default=",".join(("qwen3-0.6b-random", *TARGET_MODELS)),
+                   help="registry names (conf/model), comma-separated")
     p.add_argument("--out", default="runs/bench")
-    p.add_argument("--sweep", action="store_true", help="time the Triton tile alternatives first")
+    p.add_argument("--sweep", action="store_true", help="time the tile alternatives of each backend first")
     p.add_argument("--sweep-budget", type=float, default=60.0, help="seconds for the sweep")
-    p.add_argument("--sweep-families", default="", help="only these sweep families (comma-separated)")
+    p.add_argument("--sweep-families", default="", help="only these sweep families (comma-separated): "
+                   + ", ".join(f.name for f in sweep_families()))
     p.add_argument("--apply-sweep", action="store_true",
                    help="run the main table with each family's sweep winner (to copy into the table)")
     p.add_argument("--budget", type=float, default=150.0, help="seconds for the main table")
-    p.add_argument("--precompile", type=int, default=0, help="compile Triton kernels in N processes first")
+    p.add_argument("--precompile", type=int, default=0, metavar="N",
+                   help="compile every kernel of the run in N processes per backend first")
     p.add_argument("--no-32k", action="store_true", help="skip the 32k-context decode attention")
     p.add_argument("--ops", default="", help="only these ops (comma-separated)")
     a = p.parse_args(argv)
+    models = [m for m in a.models.split(",") if m]
+    try:
+        for m in models:
+            model_config(m)
+    except UserError as e:
+        print(f"--models: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("no CUDA device: the ops benchmark needs a GPU", file=sys.stderr)
         return 2
     dev = "cuda"
-    models = [m for m in a.models.split(",") if m]
+    sweep_models = [m for m in models if m in TARGET_MODELS] if a.sweep else []
     t0 = time.perf_counter()
     backends: dict = {}
     for name in [b for b in a.backends.split(",") if b]:
@@ -699,11 +548,13 @@ def main(argv=None) -> int:
             backends[name] = get_backend(name)
         except Exception as e:
             print(f"backend {name} skipped: {e}")
-    backends["torch"] = "torch"
-    if a.precompile and "triton" in backends:
+    if a.precompile:
         major, minor = torch.cuda.get_device_capability()
-        secs = precompile(models, a.precompile, a.sweep, not a.no_32k, major * 10 + minor, a.sweep_families)
-        print(f"precompiled Triton kernels in {secs:.1f}s", flush=True)
+        secs = precompile([b for b in backends if b in AOT_BACKENDS], models, a.precompile, not a.no_32k,
+                          sweep_models, a.sweep_families, f"sm_{major}{minor}")
+        print(f"precompiled in {secs:.1f}s", flush=True)
+    jit_compiles = _count_cutile_compiles() if "cutile" in backends else None
+    backends["torch"] = "torch"
     torch.manual_seed(0)
     ceil = measure_ceilings(dev)
     ceil0 = dict(ceil)
@@ -711,11 +562,8 @@ def main(argv=None) -> int:
           f"TFLOP/s; device {torch.cuda.get_device_name()}", flush=True)
     header = (f"Device {torch.cuda.get_device_name()}; ceilings measured in this run: copy "
               f"{ceil['copy_GBps']:.0f} GB/s (read+write), bf16 GEMM 8192^3 {ceil['gemm_TFLOPs']:.0f} TFLOP/s.\n\n")
-    if a.sweep and "triton" in backends:
-        import importlib
-
-        srows = run_sweep([m for m in models if m in ("qwen3-4b", "qwen3-8b")], ceil, dev, a.sweep_budget,
-                          families=a.sweep_families)
+    if sweep_models:
+        srows = run_sweep(sweep_models, backends, ceil, dev, a.sweep_budget, a.sweep_families, not a.no_32k)
         save(srows, a.out, "sweep", header)
         for fam, w in sweep_winners(srows).items():
             print(f"sweep winner {fam:20s} {w['config']}  (geomean us: "
@@ -723,14 +571,13 @@ def main(argv=None) -> int:
             for sh, cfg in sorted(w["per_shape"].items()):
                 print(f"    best for {' '.join(sh)}: {cfg}")
             if a.apply_sweep:
-                mod = importlib.import_module(f"tileinfer.ops.triton.{w['module']}")
-                if w["key"] in PER_SHAPE and w["by_key"]:  # per-shape winners; others use the table
-                    mod._OVERRIDE[w["key"]] = dict(w["by_key"])
+                if w["family"].per_shape and w["by_key"]:  # per-shape winners; other shapes keep the table
+                    w["family"].install(dict(w["by_key"]))
                     print(f"    applied per shape: {w['by_key']}")
                 else:
-                    mod._OVERRIDE[w["key"]] = w["config"]
+                    w["family"].install(w["config"])
         sys.stdout.flush()
-    cases = [c for name in models for c in model_cases(MODELS[name], not a.no_32k)]
+    cases = [c for name in models for c in model_cases(name, not a.no_32k)]
     if a.ops:
         cases = [c for c in cases if c.op in a.ops.split(",")]
     rows = run_cases(cases, backends, ceil, dev, a.budget)
@@ -756,6 +603,8 @@ def main(argv=None) -> int:
     with open(os.path.join(a.out, "targets.md"), "w") as f:
         f.write(header + "\n".join(tl) + "\n")
     print("\n".join(tl))
+    if jit_compiles is not None:
+        print(f"cuTile JIT compiles during the run: {jit_compiles[0]}")
     print(f"benchmark done in {time.perf_counter() - t0:.0f}s; tables in {a.out}")
     return 0
 

@@ -1,11 +1,11 @@
 """Nsight Compute profile of the ops benchmark cases: one ncu row per kernel of each (case, backend).
 
-    python -m tileinfer.bench.profile [--backends triton,cutile,torch] [--models qwen3-4b]
+    python -m tileinfer.bench.profile [--backends triton,cutile,torch] [--models qwen3-4b-random]
         [--cases decode:linear,decode:attention:int8kv:ctx=8192,...] [--out runs/profile]
         [--no-32k] [--timeout 480] [--ncu PATH]
 
 The parent finds ncu and runs this module again (``--child``) under it. The child builds the selected
-cases of ``tileinfer.bench.ops`` (a filter is ``phase:op[:variant][:shape-substring]``; empty parts
+cases of :mod:`tileinfer.bench.cases` (a filter is ``phase:op[:variant][:shape-substring]``; empty parts
 match all), warms each (case, backend) up three times (compilation, autotuning), then profiles one
 call between cudaProfilerStart/Stop, right after a one-program Triton kernel ``_ncu_case_marker``:
 in ncu's kernel list every kernel after a marker belongs to that marker's case. The child writes
@@ -18,7 +18,7 @@ and ``theo_occupancy_pct`` theoretical warps per SM, % of the maximum; ``regs`` 
 ``block``; ``issue_pct`` cycles with an instruction issued, % of active cycles; ``top_pipe`` the
 busiest execution pipe; ``stalls`` the top three stall reasons, in cycles per issued instruction
 ("selected", the issue itself, left out). Per (case, backend): ``kernels``, ``us`` their sum,
-``eff_GBps`` the case's ideal bytes (bench.ops ``nbytes``) / ``us``, ``longest`` kernel.
+``eff_GBps`` the case's ideal bytes (``Case.nbytes``) / ``us``, ``longest`` kernel.
 Reading them: dram_pct near 90 or more is bandwidth-bound (the goal for GEMV and decode attention);
 low dram_pct and low sm_pct with long_scoreboard / wait stalls is latency-bound (too few bytes in
 flight: more CTAs, deeper pipelining, wider loads); high issue_pct or a pipe near its peak is
@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 
-from tileinfer.bench import MODELS
+from tileinfer.core.registry import shaped_models
 
 MARKER = "_ncu_case_marker"
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis",
@@ -178,7 +178,7 @@ def _child(a) -> int:
     import triton
     import triton.language as tl
 
-    from tileinfer.bench.ops import model_cases
+    from tileinfer.bench.cases import model_cases
     from tileinfer.ops import get_backend
 
     @triton.jit
@@ -193,7 +193,7 @@ def _child(a) -> int:
             backends[name] = "torch" if name == "torch" else get_backend(name)
         except Exception as e:
             print(f"[profile] backend {name} skipped: {e}", flush=True)
-    cases = select([c for m in a.models.split(",") if m for c in model_cases(MODELS[m], not a.no_32k)], a.cases)
+    cases = select([c for m in a.models.split(",") if m for c in model_cases(m, not a.no_32k)], a.cases)
     manifest: list[dict] = []
     for i, c in enumerate(cases):
         label = f"{c.model} {c.phase} {c.op} {c.shape} {c.variant}"
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     """Parent mode: profile the selection under ncu and write the tables; ``--child``: the profiled run."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cutile,torch")
-    p.add_argument("--models", default="qwen3-4b")
+    p.add_argument("--models", default="qwen3-4b-random", help="registry names (conf/model), comma-separated")
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated phase:op[:variant][:shape-substring]")
     p.add_argument("--out", default="runs/profile")
     p.add_argument("--no-32k", action="store_true", help="skip the 32k-context decode attention")
@@ -281,10 +281,10 @@ def main(argv=None) -> int:
         return write_tables(a.out, "tables rebuilt from ncu_raw.csv")
     a.models = ",".join(m for m in a.models.split(",") if m)
     if not a.models:
-        print(f"--models: name at least one of {', '.join(MODELS)}", file=sys.stderr)
+        print(f"--models: name at least one of {', '.join(shaped_models())}", file=sys.stderr)
         return 2
-    if unknown := [m for m in a.models.split(",") if m not in MODELS]:
-        print(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}", file=sys.stderr)
+    if unknown := [m for m in a.models.split(",") if m not in shaped_models()]:
+        print(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(shaped_models())}", file=sys.stderr)
         return 2
     ncu = find_ncu(a.ncu)
     if not ncu:
