@@ -1,4 +1,7 @@
-"""Shared fixtures: the test models, fetched by the project's own ``pull`` (CI starts from a clean machine)."""
+"""Shared fixtures: the test models, fetched by the project's own ``pull`` (CI starts from a clean machine).
+
+The op tests' own fixtures (the backends under test, poisoned outputs, fresh seeds) are in tests/ops/conftest.py.
+"""
 
 import os
 
@@ -28,30 +31,3 @@ def qwen05_gguf():
     from tileinfer.core.fetch import pull
 
     return pull("qwen2.5-coder-0.5b")
-
-
-_empty = torch.empty
-
-
-def _poisoned_empty(*size, **kw):
-    t = _empty(*size, **kw)
-    if t.is_floating_point():
-        t.fill_(float("nan"))
-    elif t.dtype != torch.bool:
-        t.fill_(-77 if t.dtype != torch.uint8 else 77)
-    return t
-
-
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """Make every torch.empty start as NaN (floats) or -77 (integers), so an output element a kernel
-    never writes fails the comparison with the reference."""
-    monkeypatch.setattr(torch, "empty", _poisoned_empty)
-
-
-@pytest.fixture
-def fresh_seed(request):
-    """Seed torch from the test's name (differs from run to run with Python's hash randomisation, so
-    inputs are fresh every run, yet all tensors of one test come from one stream)."""
-    torch.manual_seed(abs(hash(request.node.name)) % 2**31)
-

@@ -1,6 +1,43 @@
-"""Numerical comparison helpers shared by the kernel tests."""
+"""Inputs, shapes and comparisons shared by the op conformance suites (tests/ops/).
+
+Comparisons: :func:`close` (shape, dtype, every element written and finite, relative error in
+norm), :func:`same_bits`, :func:`filtered` (the distribution the reference sampler draws from).
+Inputs: :func:`q8` (an INT8 weight), :func:`poisoned_cache` / :func:`filled_cache` (paged KV pools
+whose unwritten slots are poison, pages scattered), :func:`clone_cache`. Shapes: :data:`MODELS`
+(tileinfer.core.registry, the conf/model names) and :data:`ATTN_SHAPES` (those plus synthetic GQA
+ratios 1 and 8).
+"""
+
+from __future__ import annotations
 
 import torch
+
+from tileinfer.core.config import ModelConfig
+from tileinfer.core.kv_cache import PagedKVCache
+from tileinfer.core.registry import model_config, shaped_models
+from tileinfer.ops import Int8Weight
+from tileinfer.ops import reference as R
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+# Relative error in norm allowed for an op's output in its dtype: float32 to summation order,
+# bf16 to about two roundings (one is 2**-9).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+# ---------------------------------------------------------------------------- shapes
+
+MODELS: dict[str, ModelConfig] = {name: model_config(name) for name in shaped_models()}
+# (heads, kv_heads, head_dim) of every registered model, plus synthetic GQA ratios 1 and 8
+ATTN_SHAPES: dict[str, tuple[int, int, int]] = {
+    name: (c.num_attention_heads, c.num_key_value_heads, c.head_dim) for name, c in MODELS.items()
+} | {"gqa1-h8": (8, 8, 128), "gqa8-h32": (32, 4, 128), "gqa8-h64": (64, 8, 128)}
+
+
+def qkv_out(c: ModelConfig) -> int:
+    """Output features of the fused q/k/v projection."""
+    return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+
+
+# ---------------------------------------------------------------------------- comparisons
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -10,9 +47,24 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The distribution the reference sampler draws from (temperature, then top-k, then top-p), float32
-    [..., vocab]: what a device sampler's histogram is compared with."""
+def close(out: torch.Tensor, want: torch.Tensor, tol: float, what: str = "") -> None:
+    """Assert ``out`` has ``want``'s shape and dtype, no NaN/inf, and ``rel(out, want) < tol``."""
+    assert out.shape == want.shape, (what, out.shape, want.shape)
+    assert out.dtype == want.dtype, (what, out.dtype, want.dtype)
+    e = rel(out, want)
+    assert e < tol, f"{what}: relative error {e:.3g} >= {tol}"
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise equality that counts NaN (poison) equal to NaN."""
+    if a.is_floating_point():
+        return (a == b) | (torch.isnan(a) & torch.isnan(b))
+    return a == b
+
+
+def filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """The reference sampler's filtering (temperature, then top-k, then top-p) of logits [..., vocab]:
+    ``(keep, probs)``, the kept tokens (bool) and the float32 distribution a sampler must draw from."""
     x = logits.float() / max(temperature, 1e-6)
     if 0 < top_k < x.shape[-1]:
         x = x.masked_fill(x < x.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
@@ -20,28 +72,54 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
         s, order = x.sort(dim=-1, descending=True)
         drop = s.softmax(-1).cumsum(-1) - s.softmax(-1) >= top_p
         x = torch.full_like(x, float("-inf")).scatter(-1, order, s.masked_fill(drop, float("-inf")))
-    return x.softmax(-1)
+    return x > float("-inf"), x.softmax(-1)
 
 
-def assert_int8_kv_write_matches_quantize_int8(ops, device, T: int, kvh: int, d: int, page: int) -> None:
-    """``ops.qk_norm_rope_kv_write`` into an INT8 cache at RoPE angle 0 without q/k norm stores its
-    inputs themselves, so their codes and scales must equal ``reference.quantize_int8`` bit for bit.
-    K spans many binades of scale (random magnitudes); the pages are scattered."""
-    from tileinfer.core.kv_cache import PagedKVCache
-    from tileinfer.ops import reference as R
+# ---------------------------------------------------------------------------- inputs
 
-    n_pages = -(-T // page) + 2
-    kv = PagedKVCache(1, n_pages, page, kvh, d, torch.bfloat16, int8=True, device=device)
-    bt = torch.randperm(n_pages, device=device).to(torch.int32)
-    pos = torch.arange(T, dtype=torch.int32, device=device)
-    k = (torch.randn(T, kvh, d, device=device) * torch.rand(T, kvh, 1, device=device).exp2() * 8).to(torch.bfloat16)
-    v = (torch.randn(T, kvh, d, device=device) * torch.rand(T, kvh, 1, device=device).exp2()).to(torch.bfloat16)
-    q = torch.randn(T, 2 * kvh, d, device=device).to(torch.bfloat16)
-    cos, sin = torch.ones(T, d // 2, device=device), torch.zeros(T, d // 2, device=device)
-    ops.qk_norm_rope_kv_write(q, k, v, None, None, 1e-6, cos, sin, kv.layers[0], bt, pos)
-    pages, slots = bt[pos.long() // page].long(), pos.long() % page
-    for x, codes, scales in ((k, kv.k[0], kv.k_scale[0]), (v, kv.v[0], kv.v_scale[0])):
-        want_q, want_s = R.quantize_int8(x)
-        got_q, got_s = codes[pages, :, slots], scales[pages, :, slots]
-        assert torch.equal(got_s, want_s), f"{(got_s != want_s).sum().item()} scales differ"
-        assert torch.equal(got_q, want_q), f"{(got_q != want_q).sum().item()} codes differ"
+
+def q8(w: torch.Tensor) -> Int8Weight:
+    """``w`` [out, in] as an INT8 weight (``reference.quantize_int8`` per output channel)."""
+    q, s = R.quantize_int8(w.float())
+    return Int8Weight(q, s)
+
+
+def poisoned_cache(n_pages: int, page: int, kv_heads: int, d: int, dtype, int8: bool, device) -> PagedKVCache:
+    """A one-layer page pool whose every slot is poison: NaN values (or random int8 codes and NaN
+    scales), so a read of a slot nobody wrote yields NaN."""
+    kv = PagedKVCache(1, n_pages, page, kv_heads, d, dtype, int8=int8, device=device)
+    if int8:
+        kv.k.random_(-127, 128), kv.v.random_(-127, 128)
+        kv.k_scale.fill_(float("nan")), kv.v_scale.fill_(float("nan"))
+    else:
+        kv.k.fill_(float("nan")), kv.v.fill_(float("nan"))
+    return kv
+
+
+def filled_cache(L: int, page: int, kv_heads: int, d: int, dtype, int8: bool, device,
+                 written: int | None = None, spare: int = 3):
+    """A poisoned pool of ``ceil(L / page) + spare`` pages for a sequence of L positions, of which
+    0..written-1 (default all L) hold random k and v written by ``reference.write_kv`` (the last
+    page partly filled); the block table lists one page more than the sequence needs, all
+    shuffled through the pool.
+
+    Returns (pool, its layer, block table int32 [ceil(L / page) + 1]).
+    """
+    n = -(-L // page)
+    written = L if written is None else written
+    kv = poisoned_cache(n + spare, page, kv_heads, d, dtype, int8, device)
+    bt = torch.randperm(n + spare, device=device)[: n + 1].to(torch.int32)
+    k = torch.randn(written, kv_heads, d, device=device).to(dtype)
+    v = torch.randn(written, kv_heads, d, device=device).to(dtype)
+    R.write_kv(kv.layers[0], k, v, bt, torch.arange(written, device=device))
+    return kv, kv.layers[0], bt
+
+
+def clone_cache(kv: PagedKVCache) -> PagedKVCache:
+    """A pool with the same contents, poison included, bit for bit."""
+    c = PagedKVCache(1, kv.num_pages, kv.page_size, kv.k.shape[2], kv.k.shape[4], kv.k.dtype,
+                     int8=kv.k_scale is not None, device=kv.k.device)
+    for a, b in ((c.k, kv.k), (c.v, kv.v), (c.k_scale, kv.k_scale), (c.v_scale, kv.v_scale)):
+        if a is not None:
+            a.copy_(b)
+    return c

@@ -6,10 +6,11 @@ RoPE + paged K/V write), ``gemm`` (GEMV / skinny GEMM / GEMM, BF16 and INT8, fus
 float32 logits), ``paged_attention`` (paged prefill and split-KV decode flash-attention),
 ``sampling`` (argmax, top-k/top-p sampling). The module names differ from the op names on
 purpose: ``from tileinfer.ops.cutile import linear`` must give the op, not a module. Per-kernel
-notes and measurements: NOTES.md beside this file.
+notes and measurements: benchmarks/cutile-NOTES.md at the top of the checkout.
 
 Importing this module without ``cuda.tile`` raises ImportError, which ``get_backend`` turns into
-a UserError. The kernels compile on first launch (JIT, cached on disk by cuTile).
+a UserError. The kernels compile on first launch (JIT, cached on disk by cuTile), or ahead of time
+(``python -m tileinfer.bench.aot --backend cutile``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ Every op wrapper builds its kernel arguments from tensor *shapes* only and hands
 - A step can be captured in a CUDA graph: no host sync, no data-dependent host branching, and the
   only allocations are the outputs (workspaces are cached per shape, see :func:`workspace`).
 - The same wrappers run on ``meta`` tensors under :func:`recording`: nothing is launched, the
-  launches are collected instead. ``specializations.py`` uses that to list, without a GPU, exactly
-  the kernels and constants a model needs, and the CPU test compiles each for sm_90.
+  launches are collected instead. The ahead-of-time compile (``python -m tileinfer.bench.aot
+  --backend cutile``) uses that to list, without a GPU, exactly the kernel variants a model needs,
+  and the CPU test compiles each for sm_90.
 """
 
 from __future__ import annotations

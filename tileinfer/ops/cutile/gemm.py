@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 import cuda.tile as ct
-from tileinfer.ops import Int8Weight
+from tileinfer.ops import Int8Weight, fallback
+from tileinfer.ops import reference as ref
 from tileinfer.ops.cutile._common import (ZERO, ConstBool, ConstInt, cdiv, dummy, launch,
                                           pdl_prologue, workspace)
 
@@ -96,7 +97,7 @@ def _silu_mul(g, u):
 # operand ([TK, 16], x loaded transposed): the product is [TN, 16], transposed in the epilogue.
 # With M = TN >= 64 this lowers to Hopper's warpgroup MMA (HGMMA) with no spills; the other way
 # round (x as A, M = 16) cuTile 1.7 emitted HMMA for TN >= 32 and neither HMMA nor HGMMA, with
-# ~1000 spilled words, for TN = 16 (SASS of the sm_90 cubins, see NOTES.md).
+# ~1000 spilled words, for TN = 16 (SASS of the sm_90 cubins, see benchmarks/cutile-NOTES.md).
 
 
 def _skinny_acc(x, w, j, k0, k1, nk, TN, TK, INT8):
@@ -258,7 +259,7 @@ def skinny_plan(n_out: int, n_w: int, k: int, w_bytes: int, swiglu: bool = False
     n_out: output channels (inter for swiglu); n_w: weight rows; k: reduction; w_bytes: 1 for
     INT8 weights. A weight tile is 16 KB (64 x 128 bf16, 64 x 256 int8). S is the smallest power
     of two that gives at least MIN_BLOCKS blocks (each split keeping >= MIN_K_TILES tiles of K).
-    Measured on the H200 (NOTES.md, sweep of TN x TK x S): about one block per SM is the sweet
+    Measured on the H200 (benchmarks/cutile-NOTES.md, sweep of TN x TK x S): about one block per SM is the sweet
     spot; 40 blocks (Qwen3-4B down, S=1) ran 1.35x slower than S=4, and 384 blocks (4B qkv, S=4)
     1.07x slower than its 96 unsplit ones. ``PLAN_OVERRIDE`` (bench) replaces any field.
     """
@@ -288,6 +289,19 @@ def _weight(w):
     if isinstance(w, Int8Weight):
         return w.q, w.scale, True
     return w, None, False
+
+
+def _unsupported(op: str, x: torch.Tensor, wq: torch.Tensor) -> str | None:
+    """Why the kernels cannot take x, or None: they take x [T, in] only.
+
+    Raises:
+        ValueError: x's features differ from the weight's columns.
+    """
+    if x.dim() != 2:
+        return f"x is {x.dim()}-D, not [T, in]"
+    if x.shape[1] != wq.shape[1]:
+        raise ValueError(f"{op}: x has {x.shape[1]} features, the weight {wq.shape[1]} columns")
+    return None
 
 
 def _run(x: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor, swiglu: bool,
@@ -329,9 +343,13 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
 
     w: [out, in] in x's dtype, or an Int8Weight (int8 [out, in] + float32 scale [out], the scale
     applied in the epilogue). bias: [out] or None. T <= 16 runs the skinny (GEMV) kernels,
-    larger T the tiled GEMM.
+    larger T the tiled GEMM. An x that is not 2-D falls back to the reference (tileinfer.ops.fallback).
     """
     wq = w.q if isinstance(w, Int8Weight) else w
+    why = _unsupported("linear", x, wq)
+    if why:
+        fallback("cutile", "linear", why)
+        return ref.linear(x, w, bias)
     out = torch.empty(x.shape[0], wq.shape[0], dtype=x.dtype, device=x.device)
     return _run(x, w, bias, out, swiglu=False, logits=False)
 
@@ -340,9 +358,13 @@ def swiglu(x: torch.Tensor, w_gate_up) -> torch.Tensor:
     """SwiGLU MLP input: ``silu(x @ Wg.T) * (x @ Wu.T)`` with SiLU-and-multiply in the epilogue.
 
     x: [T, hidden]; w_gate_up: [2 * inter, hidden] (gate rows first) or an Int8Weight of that
-    shape. Returns [T, inter] in x's dtype.
+    shape. Returns [T, inter] in x's dtype. An x that is not 2-D falls back to the reference.
     """
     wq = w_gate_up.q if isinstance(w_gate_up, Int8Weight) else w_gate_up
+    why = _unsupported("swiglu", x, wq)
+    if why:
+        fallback("cutile", "swiglu", why)
+        return ref.swiglu(x, w_gate_up)
     out = torch.empty(x.shape[0], wq.shape[0] // 2, dtype=x.dtype, device=x.device)
     return _run(x, w_gate_up, None, out, swiglu=True, logits=False)
 
@@ -351,8 +373,13 @@ def lm_head(x: torch.Tensor, w) -> torch.Tensor:
     """Logits in float32: x [T, hidden] @ w.T -> [T, vocab] float32, accumulated in float32.
 
     w: [vocab, hidden] (model dtype or float32) or an Int8Weight. BF16 products are exact in
-    float32, so only the summation order differs from the reference's float32 matmul.
+    float32, so only the summation order differs from the reference's float32 matmul. An x that is
+    not 2-D falls back to the reference.
     """
     wq = w.q if isinstance(w, Int8Weight) else w
+    why = _unsupported("lm_head", x, wq)
+    if why:
+        fallback("cutile", "lm_head", why)
+        return ref.lm_head(x, w)
     out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.float32, device=x.device)
     return _run(x, w, None, out, swiglu=False, logits=True)

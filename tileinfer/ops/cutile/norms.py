@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 
 import cuda.tile as ct
+from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
 from tileinfer.ops.cutile._common import ZERO, ConstInt, launch, next_pow2, pdl_prologue
 
-# A row wider than this is split into several tiles (embedding) or left to the reference (norms).
+# A row wider than this is split into several tiles (embedding) or falls back to the reference (norms).
 MAX_ROW_TILE = 8192
 
 
@@ -83,11 +84,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last axis: x [..., n] -> [..., n] in x's dtype, statistics in float32.
 
     weight: [n], or [heads, n] for x [..., heads, n] (per-head norms after key smoothing). Other
-    broadcast shapes, and rows wider than 8192, go to the reference implementation.
+    broadcast shapes, and rows wider than 8192, fall back to the reference (tileinfer.ops.fallback).
     """
     n = x.shape[-1]
     w2 = _weight_rows(x, weight)
-    if w2 is None or n > MAX_ROW_TILE:
+    if w2 is None:
+        fallback("cutile", "rms_norm", f"weight {tuple(weight.shape)} is neither [n] nor [heads, n]")
+        return ref.rms_norm(x, weight, eps)
+    if n > MAX_ROW_TILE:
+        fallback("cutile", "rms_norm", f"rows of {n} > {MAX_ROW_TILE} values")
         return ref.rms_norm(x, weight, eps)
     x2 = x.reshape(-1, n)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
@@ -102,10 +107,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
     x, residual: [T, hidden] in the model dtype; weight [hidden]. The sum is rounded to the model
     dtype before it is normalised (transformers' order). Both outputs [T, hidden] in x's dtype.
-    One read of x and residual, one write of each output (TileInfer.jl's fused add + norm).
+    One read of x and residual, one write of each output (TileInfer.jl's fused add + norm). Another
+    weight shape, or rows wider than 8192, fall back to the reference (tileinfer.ops.fallback).
     """
     n = x.shape[-1]
-    if weight.numel() != n or n > MAX_ROW_TILE:
+    if weight.numel() != n:
+        fallback("cutile", "add_rms_norm", f"weight {tuple(weight.shape)} is not [n]")
+        return ref.add_rms_norm(x, residual, weight, eps)
+    if n > MAX_ROW_TILE:
+        fallback("cutile", "add_rms_norm", f"rows of {n} > {MAX_ROW_TILE} values")
         return ref.add_rms_norm(x, residual, weight, eps)
     x2, r2 = x.reshape(-1, n), residual.reshape(-1, n)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)

@@ -27,6 +27,7 @@ import torch
 
 import cuda.tile as ct
 from tileinfer.core.kv_cache import KVLayer
+from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
 from tileinfer.ops.cutile._common import (LOG2E, TARGET_BLOCKS, ZERO, ConstBool, ConstInt, cdiv,
                                           dummy, is_pow2, launch, next_pow2, pdl_prologue,
@@ -79,7 +80,7 @@ def _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i, acc, 
 
 
 # 128 query rows and 8 worker warps: 168 registers, no spills (SASS), 1.32x the 64-row tiles at 2
-# blocks/SM in run 3 (tileinfer/ops/cutile/NOTES.md)
+# blocks/SM in run 3 (benchmarks/cutile-NOTES.md)
 @ct.kernel(num_worker_warps=8)
 def prefill_attention_kernel(q, kc, vc, ks, vs, bt, pos, out, scale2: float, TM: ConstInt,
                              D: ConstInt, PS: ConstInt, INT8: ConstBool):
@@ -174,6 +175,18 @@ def decode_rows(T: int, group: int) -> tuple[int, int]:
     return tp, gp
 
 
+def _unsupported(D: int, PS: int, block_table: torch.Tensor, positions: torch.Tensor) -> str | None:
+    """Why the kernels cannot take these inputs, or None: their tiles need power-of-two head and
+    page sizes of at least 16, and they read int32 block tables and positions."""
+    if not is_pow2(D) or D < 16:
+        return f"head_dim {D} is not a power of two >= 16"
+    if not is_pow2(PS) or PS < 16:
+        return f"page size {PS} is not a power of two >= 16"
+    if positions.dtype != torch.int32 or block_table.dtype != torch.int32:
+        return f"positions {positions.dtype} and block table {block_table.dtype}, not both int32"
+    return None
+
+
 def attention(q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positions: torch.Tensor,
               sm_scale: float) -> torch.Tensor:
     """Causal paged attention with GQA for queries at ``positions`` over the cached sequence.
@@ -182,12 +195,19 @@ def attention(q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positi
     cache layer [num_pages, kv_heads, page_size, d] (bf16/float32, or int8 + float32 scales
     [num_pages, kv_heads, page_size]); block_table: int32 [max_pages]; positions: int32 [T] on the
     device. Returns [T, heads, d] in q's dtype. T <= 16: split-KV decode + combine (two launches);
-    larger T: the prefill kernel (one launch).
+    larger T: the prefill kernel (one launch). Other inputs (see :func:`_unsupported`) fall back
+    to the reference (tileinfer.ops.fallback).
+
+    Raises:
+        ValueError: heads not a multiple of the KV heads (no GQA grouping; the reference rejects it too).
     """
     T, H, D = q.shape
     KVH, PS = layer.k.shape[1], layer.page_size
-    if (not is_pow2(D) or D < 16 or not is_pow2(PS) or PS < 16 or H % KVH
-            or positions.dtype != torch.int32 or block_table.dtype != torch.int32):
+    if H % KVH:
+        raise ValueError(f"attention: {H} query heads are not a multiple of {KVH} KV heads")
+    why = _unsupported(D, PS, block_table, positions)
+    if why:
+        fallback("cutile", "attention", why)
         return ref.attention(q, layer, block_table, positions, sm_scale)
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     if T == 0:

@@ -14,6 +14,7 @@ import torch
 
 import cuda.tile as ct
 from tileinfer.core.kv_cache import KVLayer
+from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
 from tileinfer.ops.cutile._common import (ZERO, ConstBool, ConstInt, dummy, is_pow2, launch,
                                           next_pow2, pdl_prologue)
@@ -133,7 +134,9 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [max_positions, d/2]; layer: the KV cache layer (bf16/float32 or int8 + float32 scales);
     block_table: int32 [max_pages]; positions: int32 [T] on the device. Returns the rotated q
     [T, heads, d] in q's dtype. Rotate-half RoPE (Su et al., 2021); INT8 scales max|x|/127 per
-    vector with round-half-even, as ``reference.quantize_int8``.
+    vector with round-half-even, as ``reference.quantize_int8``. A head_dim that is not a power of
+    two >= 16, norm weights of other shapes, or non-int32 positions / block table fall back to the
+    reference (tileinfer.ops.fallback).
     """
     T, H, d = q.shape
     KVH = k.shape[1]
@@ -141,8 +144,16 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qn, kn = _norm_2d(q_norm, H, d), _norm_2d(k_norm, KVH, d)
     else:
         qn = kn = (cos_table, False)
-    if (not is_pow2(d) or d < 16 or qn is None or kn is None or positions.dtype != torch.int32
-            or block_table.dtype != torch.int32):
+    if not is_pow2(d) or d < 16:
+        why = f"head_dim {d} is not a power of two >= 16"
+    elif qn is None or kn is None:
+        why = f"q/k norm weights {tuple(q_norm.shape)} / {tuple(k_norm.shape)} are not [d] or [heads, d]"
+    elif positions.dtype != torch.int32 or block_table.dtype != torch.int32:
+        why = f"positions {positions.dtype} and block table {block_table.dtype}, not both int32"
+    else:
+        why = None
+    if why:
+        fallback("cutile", "qk_norm_rope_kv_write", why)
         return ref.qk_norm_rope_kv_write(q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer,
                                          block_table, positions)
     q_out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)

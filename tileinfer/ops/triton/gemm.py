@@ -21,7 +21,7 @@ an up tile per k-step into two accumulators.
 
 Tile sizes come from small tables per shape class (``_gemv_config``, ``_gemm_config``,
 ``SHAPE_TABLE``), not from autotuning at import time; the entries were chosen from sweeps on the
-H200 (tileinfer/bench/NOTES.md).
+H200 (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tileinfer.ops import Int8Weight
+from tileinfer.ops import Int8Weight, fallback
+from tileinfer.ops import reference as ref
 from tileinfer.ops.triton._common import (INTERPRET, cast, cdiv, dot_dtype, dot_precision,
                                           i8x4_byte_to_f32)
 
@@ -295,7 +296,7 @@ def _gemm_tma_kernel(a_desc, b_desc, s_ptr, bias_ptr, o_ptr, M, N, K, stride_om,
 
 # GEMV, one row: (BLOCK_N, BLOCK_K, num_warps, prefetch 1|2[, int8 mode 1|2]). Small BLOCK_N gives
 # many programs (a 2560-row weight must still spread over 132 SMs); BLOCK_K sets the bytes each
-# program loads at once. H200 sweep (NOTES.md): 4-row tiles win up to ~4k rows, 8-row tiles above;
+# program loads at once. H200 sweep (benchmarks/NOTES.md): 4-row tiles win up to ~4k rows, 8-row tiles above;
 # prefetching the next tile in registers did not help (occupancy already hides the latency).
 # Each table: (most weight rows, config), the first that fits wins (None: any size).
 GEMV1_BF16 = [(4096, (4, 1024, 4, 1)), (None, (8, 512, 4, 1))]
@@ -389,10 +390,9 @@ def _widen_kernel(q_ptr, o_ptr, n, BLOCK: tl.constexpr):
 
 
 def _widen_int8(q: torch.Tensor, dtype) -> torch.Tensor:
-    """int8 [N, K] -> the same integers in ``dtype`` (exact for |q| <= 127 in bf16), one pass."""
+    """int8 [N, K], contiguous -> the same integers in ``dtype`` (exact for |q| <= 127 in bf16), one pass."""
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     n = q.numel()
-    assert q.is_contiguous()
     _widen_kernel[(cdiv(n, 8192),)](q, out, n, BLOCK=8192, num_warps=8)
     return out
 
@@ -416,12 +416,29 @@ def _num_sms(device) -> int:
     return _SMS[device]
 
 
-def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool) -> torch.Tensor:
-    """Shared launcher: x [T, K] @ w.T -> [T, N_out] (N_out = rows of w, halved for SwiGLU)."""
-    assert x.dim() == 2
+def _reference(op: str, reason: str, x: torch.Tensor, w, bias) -> torch.Tensor:
+    """The reference op ``op`` (linear, swiglu or lm_head) on inputs the kernels do not take."""
+    fallback("triton", op, reason)
+    return ref.linear(x, w, bias) if op == "linear" else getattr(ref, op)(x, w)
+
+
+def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch.Tensor:
+    """Shared launcher of ``op``: x [T, K] @ w.T -> [T, N_out] (N_out = rows of w, halved for SwiGLU).
+
+    Falls back to the reference for x that is not 2-D, weight rows or a bias that are not
+    contiguous, and an INT8 weight that the int32-word GEMV or the widening pass cannot read as one
+    contiguous block.
+
+    Raises:
+        ValueError: x's features differ from the weight's columns.
+    """
+    if x.dim() != 2:
+        return _reference(op, f"x is {x.dim()}-D, not [T, in]", x, w, bias)
     T, K = x.shape
     int8 = isinstance(w, Int8Weight)
     wq = w.q if int8 else w
+    if wq.shape[1] != K:
+        raise ValueError(f"{op}: x has {K} features, the weight {wq.shape[1]} columns")
     n_rows = wq.shape[0]
     N = n_rows // 2 if swiglu else n_rows
     out = torch.empty((T, N), dtype=out_dtype, device=x.device)
@@ -429,12 +446,13 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool) -> torch.Tensor:
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    assert wq.shape[1] == K and wq.stride(1) == 1
+    if wq.stride(1) != 1:
+        return _reference(op, "weight rows not contiguous", x, w, bias)
     scale = w.scale if int8 else wq
     b = bias if bias is not None else wq
     has_bias = bias is not None and not swiglu  # the reference's swiglu takes no bias
-    if has_bias:
-        assert bias.is_contiguous()
+    if has_bias and not bias.is_contiguous():
+        return _reference(op, "bias not contiguous", x, w, bias)
     round_ = out_dtype != torch.float32
     dot_t, prec = dot_dtype(x.dtype), dot_precision(x.dtype)
     up_off = N if swiglu else 0
@@ -445,8 +463,9 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool) -> torch.Tensor:
         prefetch = T == 1 and stages >= 2
         if T == 1:
             stages = 1  # the row path has no dot for Triton's pipeliner to pipeline
-        if mode == 2:
-            assert K % 4 == 0 and wq.is_contiguous(), "this INT8 GEMV reads the weight as int32 words"
+        if mode == 2:  # this INT8 GEMV reads the weight as int32 words
+            if K % 4 or not wq.is_contiguous():
+                return _reference(op, "INT8 weight not contiguous in whole int32 words", x, w, bias)
             wv, stride_wn = wq.view(torch.int32), wq.stride(0) // 4
         else:
             wv, stride_wn = wq, wq.stride(0)
@@ -458,6 +477,8 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool) -> torch.Tensor:
             PREFETCH=prefetch, num_warps=warps, num_stages=stages)
     else:
         if int8 and T >= INT8_DEQUANT_ROWS:
+            if not wq.is_contiguous():  # the widening pass reads the weight as one flat block
+                return _reference(op, "INT8 weight not contiguous", x, w, bias)
             wq = _widen_int8(wq, x.dtype)  # exact bf16 copy; the int8 epilogue still scales
             cfg = _gemm_config(T, N, False, K, swiglu)
         else:
@@ -496,7 +517,7 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     w: [out, in] in x's dtype, or an :class:`Int8Weight` (int8 [out, in] + float32 scale [out],
     scale applied to the float32 product in the epilogue). T <= 16: GEMV kernel; else GEMM.
     """
-    return _matmul(x, w, bias, x.dtype, swiglu=False)
+    return _matmul(x, w, bias, x.dtype, swiglu=False, op="linear")
 
 
 def swiglu(x: torch.Tensor, w_gate_up) -> torch.Tensor:
@@ -506,7 +527,7 @@ def swiglu(x: torch.Tensor, w_gate_up) -> torch.Tensor:
     x: [T, hidden]; w_gate_up: [2 * inter, hidden] (gate rows then up rows), or an
     :class:`Int8Weight` of that shape. Returns [T, inter] in x's dtype.
     """
-    return _matmul(x, w_gate_up, None, x.dtype, swiglu=True)
+    return _matmul(x, w_gate_up, None, x.dtype, swiglu=True, op="swiglu")
 
 
 def lm_head(x: torch.Tensor, w) -> torch.Tensor:
@@ -517,4 +538,4 @@ def lm_head(x: torch.Tensor, w) -> torch.Tensor:
     """
     if not isinstance(w, Int8Weight) and w.dtype != x.dtype:
         x = x.to(w.dtype) if w.dtype == torch.float32 else x
-    return _matmul(x, w, None, torch.float32, swiglu=False)
+    return _matmul(x, w, None, torch.float32, swiglu=False, op="lm_head")

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tileinfer.ops import fallback
+from tileinfer.ops import reference as ref
 from tileinfer.ops.triton._common import cast, next_pow2
 
 
@@ -25,12 +27,17 @@ def _embedding_kernel(ids_ptr, table_ptr, out_ptr, H, stride_t, stride_o, BLOCK:
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Gather rows of the embedding table: ids int [T] -> [T, hidden] in the table's dtype."""
+    """Gather rows of the embedding table: ids int [T] -> [T, hidden] in the table's dtype.
+
+    A table whose rows are not contiguous falls back to the reference (tileinfer.ops.fallback).
+    """
+    if table.stride(1) != 1:
+        fallback("triton", "embedding", "table rows not contiguous")
+        return ref.embedding(ids, table)
     T, H = ids.shape[0], table.shape[1]
     out = torch.empty((T, H), dtype=table.dtype, device=table.device)
     if T == 0:
         return out
-    assert table.stride(1) == 1
     block = min(next_pow2(H), 2048)
     _embedding_kernel[(T, triton.cdiv(H, block))](ids, table, out, H, table.stride(0), out.stride(0),
                                                    BLOCK=block, num_warps=4)
@@ -72,6 +79,13 @@ def _weight_rows(weight: torch.Tensor, x_shape, n: int):
 def _launch_norm(x, residual, weight, eps):
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
+    r2 = residual.reshape(-1, n) if residual is not None else x2
+    if x2.stride(-1) != 1 or r2.stride(-1) != 1:
+        if residual is None:
+            fallback("triton", "rms_norm", "rows not contiguous")
+            return ref.rms_norm(x, weight, eps), None
+        fallback("triton", "add_rms_norm", "rows not contiguous")
+        return ref.add_rms_norm(x, residual, weight, eps)
     rows = x2.shape[0]
     w2 = _weight_rows(weight, x.shape, n)
     if w2 is None:  # unusual broadcast: materialise it (not on the model's paths)
@@ -81,14 +95,12 @@ def _launch_norm(x, residual, weight, eps):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, n)
     if residual is not None:
-        r2 = residual.reshape(-1, n)
         s = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
         s2 = s.view(-1, n)
     else:
-        r2 = s2 = s = x2
+        s2 = s = x2
     if rows == 0:
         return y, (s if residual is not None else None)
-    assert x2.stride(-1) == 1 and r2.stride(-1) == 1
     block = next_pow2(n)
     warps = 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
     _rms_norm_kernel[(rows,)](x2, r2, w2, y2, s2, n, w2.shape[0], x2.stride(0), r2.stride(0),
@@ -100,8 +112,9 @@ def _launch_norm(x, residual, weight, eps):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich, 2019) over the last axis: ``x / sqrt(mean(x²) + eps) * weight``.
 
-    x: [..., n] (last axis contiguous); weight: [n], or [..., n] matching x's trailing axes (one
-    row per head). Statistics in float32; output in x's dtype. One program per row.
+    x: [..., n]; weight: [n], or [..., n] matching x's trailing axes (one row per head). Statistics
+    in float32; output in x's dtype. One program per row. Rows that are not contiguous (last-axis
+    stride != 1) fall back to the reference (tileinfer.ops.fallback).
     """
     return _launch_norm(x, None, weight, eps)[0]
 
@@ -111,5 +124,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
     x, residual: [T, hidden] in the model dtype; the sum is rounded to that dtype before it is
     normalised and returned as the next residual. One read of each input, one write of each output.
+    Rows that are not contiguous fall back to the reference (tileinfer.ops.fallback).
     """
     return _launch_norm(x, residual, weight, eps)

@@ -24,7 +24,7 @@ before P @ V, as in the reference (the row sum uses the unscaled p). V is read a
 widened in registers: an int8 tile as the transposed P @ V operand is read out of shared memory a
 byte at a time.
 
-Tiles (BLOCK_N, warps, stages) come from a small table chosen from H200 sweeps (NOTES.md); the
+Tiles (BLOCK_N, warps, stages) come from a small table chosen from H200 sweeps (benchmarks/NOTES.md); the
 decode grid depends only on static shapes, so a captured CUDA graph replays as the context grows.
 """
 
@@ -35,6 +35,8 @@ import triton
 import triton.language as tl
 
 from tileinfer.core.kv_cache import KVLayer
+from tileinfer.ops import fallback
+from tileinfer.ops import reference as ref
 from tileinfer.ops.triton._common import (cast, cdiv, dot_dtype, dot_precision, i8x4_byte_to_f32,
                                           next_pow2)
 
@@ -230,7 +232,7 @@ def _attn_combine_kernel(wacc_ptr, wml_ptr, o_ptr, H, rows, n_splits, stride_ot,
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, cast(out, o_ptr.dtype.element_ty))
 
 
-# Tiles from the H200 sweep (tileinfer/bench/NOTES.md). Prefill (BLOCK_M, BLOCK_N, num_warps,
+# Tiles from the H200 sweep (benchmarks/NOTES.md). Prefill (BLOCK_M, BLOCK_N, num_warps,
 # num_stages): 128 x 128 tiles for long chunks and INT8 caches, 64 x 64 for chunks of <= 4k rows.
 PREFILL_TILE_LARGE = (128, 128, 8, 2)
 PREFILL_TILE_SMALL = (64, 64, 4, 3)
@@ -255,16 +257,32 @@ def num_splits(max_positions: int, kv_heads: int, block_n: int) -> int:
     return max(1, min(cdiv(max_positions, block_n), cdiv(target, kv_heads)))
 
 
-def _cache_args(layer: KVLayer):
-    """Kernel arguments of a layer's pool; an INT8 V pool is passed as int32 words (4 values each),
-    its element offsets divided by 4 in the kernel."""
+def _unsupported(q: torch.Tensor, layer: KVLayer) -> str | None:
+    """Why the kernels cannot take these inputs, or None: they need a power-of-two head_dim >= 16,
+    contiguous head vectors, K and V pools (and scales) of one layout, and for an INT8 pool rows
+    and strides in whole int32 words (V is read 4 values at a time)."""
+    D = q.shape[2]
+    if D < 16 or D & (D - 1):
+        return f"head_dim {D} is not a power of two >= 16"
     kc, vc = layer.k, layer.v
-    assert kc.stride() == vc.stride() and kc.stride(3) == 1
+    if q.stride(2) != 1 or kc.stride(3) != 1:
+        return "q or cached head vectors not contiguous"
+    if kc.stride() != vc.stride():
+        return "K and V pages of different layouts"
+    if layer.int8 and (vc.shape[3] % 4 or any(st % 4 for st in vc.stride()[:3])):
+        return "INT8 V pages not in whole int32 words"
+    if layer.int8 and layer.k_scale.stride() != layer.v_scale.stride():
+        return "K and V scales of different layouts"
+    return None
+
+
+def _cache_args(layer: KVLayer):
+    """Kernel arguments of a layer's pool (its layout checked by :func:`_unsupported`); an INT8 V
+    pool is passed as int32 words (4 values each), its element offsets divided by 4 in the kernel."""
+    kc, vc = layer.k, layer.v
     if layer.int8:
-        assert vc.shape[3] % 4 == 0 and all(st % 4 == 0 for st in vc.stride()[:3])
         vc = vc.view(torch.int32)
         ks, vs = layer.k_scale, layer.v_scale
-        assert ks.stride() == vs.stride()
         sc = (ks.stride(0), ks.stride(1), ks.stride(2))
     else:
         ks = vs = kc
@@ -280,16 +298,25 @@ def attention(q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positi
     page pool [num_pages, kv_heads, page_size, d] (bf16/f32, or int8 + float32 scales
     [num_pages, kv_heads, page_size]); block_table: int [max_pages]; positions: int [T] on the device.
     The query at position p attends to cached positions 0..p. T <= 16: split-KV decode + combine;
-    else the prefill kernel. Returns [T, heads, d] in q's dtype.
+    else the prefill kernel. Returns [T, heads, d] in q's dtype. Inputs outside the kernels' domain
+    (see :func:`_unsupported`) fall back to the reference (tileinfer.ops.fallback).
+
+    Raises:
+        ValueError: heads not a multiple of the KV heads (no GQA grouping; the reference rejects it too).
     """
     T, H, D = q.shape
     KVH = layer.k.shape[1]
+    if H % KVH:
+        raise ValueError(f"attention: {H} query heads are not a multiple of {KVH} KV heads")
     G = H // KVH
     PAGE = layer.page_size
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
-    if T == 0:
+    if T == 0:  # before the domain check: the reference cannot take zero rows
         return out
-    assert q.stride(2) == 1 and D >= 16 and (D & (D - 1)) == 0
+    why = _unsupported(q, layer)
+    if why:
+        fallback("triton", "attention", why)
+        return ref.attention(q, layer, block_table, positions, sm_scale)
     kc, vc, ks, vs, strides = _cache_args(layer)
     maxp = block_table.shape[0]
     dot_t, prec = dot_dtype(q.dtype), dot_precision(q.dtype)

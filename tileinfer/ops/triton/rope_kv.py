@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 
 from tileinfer.core.kv_cache import KVLayer
+from tileinfer.ops import fallback
+from tileinfer.ops import reference as ref
 from tileinfer.ops.triton._common import cast, rint_f32
 
 
@@ -100,11 +102,34 @@ def _qk_norm_rope_kv_kernel(
             tl.store(vc_ptr + c_off + HALF + offs, cast(v2, cdt))
 
 
-def _norm_stride(w, heads: int, d: int) -> int:
+def _norm_stride(w, heads: int, d: int) -> int | None:
+    """Stride between the heads' rows of a norm weight ([d]: 0, shared; [heads, d] with contiguous
+    rows), None for other shapes."""
     if w.numel() == d:
         return 0
-    assert w.shape[-2:] == (heads, d) and w.stride(-1) == 1, f"norm weight of shape {tuple(w.shape)}"
-    return w.stride(-2)
+    if w.numel() == heads * d and w.shape[-2:] == (heads, d) and w.stride(-1) == 1:
+        return w.stride(-2)
+    return None
+
+
+def _unsupported(q, k, v, q_norm, k_norm, cos_table, sin_table, layer: KVLayer) -> str | None:
+    """Why the kernel cannot take these inputs, or None: it needs a power-of-two head_dim, contiguous
+    head vectors, norm weights [d] or [heads, d], and K and V pools (and scales) of one layout."""
+    d = q.shape[2]
+    if d % 2 or d & (d - 1):
+        return f"head_dim {d} is not a power of two"
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return "q, k or v head vectors not contiguous"
+    if cos_table.stride(1) != 1 or sin_table.stride() != cos_table.stride():
+        return "cos/sin tables not contiguous rows of one layout"
+    if q_norm is not None and (_norm_stride(q_norm, q.shape[1], d) is None
+                               or _norm_stride(k_norm, k.shape[1], d) is None):
+        return f"q/k norm weights {tuple(q_norm.shape)} / {tuple(k_norm.shape)} are not [d] or contiguous [heads, d]"
+    if layer.k.stride() != layer.v.stride() or layer.k.stride(3) != 1:
+        return "K and V pages of different layouts or with non-contiguous vectors"
+    if layer.int8 and layer.k_scale.stride() != layer.v_scale.stride():
+        return "K and V scales of different layouts"
+    return None
 
 
 def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -117,16 +142,20 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     last axis contiguous); q_norm/k_norm: [d] or [heads|kv_heads, d] or None; cos_table/sin_table:
     float32 [max_positions, d/2]; block_table int [max_pages]; positions int [T] (on the device,
     read by the kernel). An INT8 layer gets int8 values and a float32 scale max|x|/127 per vector
-    (round half to even). Returns the rotated q, [T, heads, d] contiguous, in q's dtype.
+    (round half to even). Returns the rotated q, [T, heads, d] contiguous, in q's dtype. Inputs
+    outside the kernel's domain (see :func:`_unsupported`) fall back to the reference
+    (tileinfer.ops.fallback).
     """
+    why = _unsupported(q, k, v, q_norm, k_norm, cos_table, sin_table, layer)
+    if why:
+        fallback("triton", "qk_norm_rope_kv_write", why)
+        return ref.qk_norm_rope_kv_write(q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer,
+                                         block_table, positions)
     T, H, d = q.shape
     KVH = k.shape[1]
     q_out = torch.empty((T, H, d), dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out
-    assert d % 2 == 0 and (d & (d - 1)) == 0, "head_dim must be a power of two"
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
-    assert cos_table.stride(1) == 1 and sin_table.stride() == cos_table.stride()
     has_norm = q_norm is not None
     qn = q_norm if has_norm else q_out
     kn = k_norm if has_norm else q_out
@@ -136,9 +165,6 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ks = layer.k_scale if layer.int8 else kc
     vs = layer.v_scale if layer.int8 else kc
     sp, sh, ss = (ks.stride(0), ks.stride(1), ks.stride(2)) if layer.int8 else (0, 0, 0)
-    assert kc.stride() == vc.stride() and kc.stride(3) == 1
-    if layer.int8:
-        assert layer.k_scale.stride() == layer.v_scale.stride()
     _qk_norm_rope_kv_kernel[(T, H + KVH)](
         q, k, v, qn, kn, cos_table, sin_table, positions, block_table, q_out,
         kc, vc, ks, vs,

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tileinfer.ops import fallback
+from tileinfer.ops import reference as ref
 from tileinfer.ops.triton._common import cdiv, next_pow2
 
 ARGMAX_CHUNK = 4096
@@ -63,12 +65,17 @@ def _argmax_final_kernel(pv_ptr, pi_ptr, out_ptr, S, BLOCK_S: tl.constexpr):
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy token per row: logits float32 [T, vocab] -> int64 [T] (lowest id on ties)."""
+    """Greedy token per row: logits float32 [T, vocab] -> int64 [T] (lowest id on ties).
+
+    Rows that are not contiguous fall back to the reference (tileinfer.ops.fallback).
+    """
+    if logits.stride(1) != 1:
+        fallback("triton", "argmax", "logits rows not contiguous")
+        return ref.argmax(logits)
     T, V = logits.shape
     out = torch.empty(T, dtype=torch.int64, device=logits.device)
     if T == 0:
         return out
-    assert logits.stride(1) == 1
     S = cdiv(V, ARGMAX_CHUNK)
     pv = torch.empty((T, S), dtype=torch.float32, device=logits.device)
     pi = torch.empty((T, S), dtype=torch.int32, device=logits.device)

@@ -1,0 +1,114 @@
+"""Paged attention of every backend against the reference, and the reference against dense attention.
+
+Caches come from tests/numerics.py: positions 0..L-1 written, the last page partly filled, pages
+scattered through a pool whose other slots are NaN (or NaN-scaled) poison, the block table one
+page longer than the context. Small (interpreter): float32 and bf16 queries over BF16 and INT8
+caches, GQA ratios 1 to 8, head_dim 16 to 64, pages of 8 to 32, decode (1 row), verify (5, 16) and
+prefill chunks (33 to 70 rows), within ``TOL``. Model (GPU): bf16 at every registered model's heads
+and the synthetic GQA shapes, pages of 64, contexts 1 to 32k (prefill chunks up to 8192 rows),
+within 1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.numerics import ATTN_SHAPES, DTYPES, TOL, close, filled_cache, poisoned_cache
+from tileinfer.core.kv_cache import PagedKVCache
+from tileinfer.ops import reference as R
+
+CACHES = ("bf16cache", "int8cache")
+
+SMALL = [  # (T, start, kv_heads, group, head_dim, page): decode, verify, prefill chunks
+    (1, 0, 2, 4, 32, 16), (1, 37, 1, 8, 32, 16), (1, 100, 3, 2, 64, 16),
+    (5, 60, 1, 3, 64, 16), (16, 9, 2, 2, 32, 8),
+    (40, 23, 2, 2, 32, 16), (70, 0, 1, 8, 16, 32), (33, 50, 4, 1, 32, 16),
+]
+# (T, start) on the GPU: decode and verify steps at short to 12k contexts, prefill chunks
+MODEL_STEPS = [(1, 0), (1, 36), (1, 777), (1, 8191), (5, 995), (7, 100), (16, 114), (16, 5000),
+               (64, 12345), (300, 0), (300, 700), (512, 3000)]
+# and up to 32k positions for a few shapes (GQA ratios 4, 7 and 8; head_dim 128 and 64)
+LONG_SHAPES = ("qwen3-4b-random", "qwen2.5-coder-0.5b", "gqa8-h64")
+LONG_STEPS = [(1, 32767), (16, 32000), (16, 32745), (512, 7680), (512, 32256), (8192, 0)]
+MODEL = [pytest.param("bf16", cache, T, start, kvh, heads // kvh, d, 64, id=f"{name}-{cache}-T{T}-at{start}")
+         for name, (heads, kvh, d) in ATTN_SHAPES.items()
+         for T, start in MODEL_STEPS + (LONG_STEPS if name in LONG_SHAPES else [])
+         for cache in CACHES]
+
+
+@pytest.mark.cases("dt,cache,T,start,kvh,group,d,page",
+                   small=[(dt, cache, *c) for dt in DTYPES for cache in CACHES for c in SMALL], model=MODEL)
+def test_attention(target, dt, cache, T, start, kvh, group, d, page):
+    dt = DTYPES[dt]
+    dev = target.device
+    H, L = kvh * group, start + T
+    _, layer, bt = filled_cache(L, page, kvh, d, dt, cache == "int8cache", dev)
+    q = torch.randn(T, H, d, device=dev).to(dt)
+    pos = torch.arange(start, L, dtype=torch.int32, device=dev)
+    close(target.ops.attention(q, layer, bt, pos, d**-0.5), R.attention(q, layer, bt, pos, d**-0.5), TOL[dt])
+
+
+@pytest.mark.cases("dt,L,heads,kvh,d,page,positions,scale",
+                   small=[("f32", 90, 4, 2, 32, 16, (89, 3, 64, 40), 0.2)],
+                   model=[("bf16", 2000, 32, 8, 128, 64, T, 0.1) for T in (5, 40)])
+def test_attention_rows_at_unequal_positions(target, dt, L, heads, kvh, d, page, positions, scale):
+    """Rows need not be consecutive (verify steps): each attends up to its own position, read on the
+    device. ``positions``: the rows' positions, or how many to draw at random (the first at L - 1)."""
+    dt = DTYPES[dt]
+    dev = target.device
+    _, layer, bt = filled_cache(L, page, kvh, d, dt, False, dev)
+    if isinstance(positions, int):
+        pos = torch.randint(0, L, (positions,), device=dev).to(torch.int32)
+        pos[0] = L - 1
+    else:
+        pos = torch.tensor(positions, dtype=torch.int32, device=dev)
+    q = torch.randn(pos.shape[0], heads, d, device=dev).to(dt)
+    close(target.ops.attention(q, layer, bt, pos, scale), R.attention(q, layer, bt, pos, scale), TOL[dt])
+
+
+# ---------------------------------------------------------------------------- the reference itself
+
+
+def dense_causal(q, k, v, positions):
+    """Plain SDPA over contiguous k, v [L, kv_heads, d] for queries at ``positions`` (float64)."""
+    T, H, d = q.shape
+    g = H // k.shape[1]
+    kk = k.repeat_interleave(g, dim=1).transpose(0, 1).double()
+    vv = v.repeat_interleave(g, dim=1).transpose(0, 1).double()
+    mask = torch.arange(k.shape[0])[None, :] <= positions[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).double(), kk, vv, attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,page", [(8, 2, 16), (4, 4, 8), (6, 1, 32)])
+def test_reference_paged_attention_equals_dense(int8, heads, kv_heads, page):
+    d, L, T = 32, 77, 13  # context not a multiple of the page: the last page is partly filled
+    cache = poisoned_cache(16, page, kv_heads, d, torch.float32, int8, "cpu")
+    layer = cache.layers[0]
+    block_table = torch.randperm(16)[: -(-L // page)].int()  # pages scattered through the pool
+    k, v = torch.randn(L, kv_heads, d), torch.randn(L, kv_heads, d)
+    R.write_kv(layer, k, v, block_table, torch.arange(L))
+    positions = torch.arange(L - T, L)
+    q = torch.randn(T, heads, d)
+    got = R.attention(q, layer, block_table, positions, d ** -0.5)
+    if int8:  # the INT8 path must equal dense attention over the dequantized cache
+        kq, ks = R.quantize_int8(k)
+        vq, vs = R.quantize_int8(v)
+        k, v = kq.float() * ks[..., None], vq.float() * vs[..., None]
+    want = dense_causal(q, k, v, positions)
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+def test_reference_prefill_chunks_and_decode_agree_with_one_shot():
+    """Attention for a chunk of queries equals attention computed for all positions at once."""
+    cache = PagedKVCache(1, 8, 16, 2, 16, torch.float32)
+    layer, bt = cache.layers[0], torch.arange(8).int()
+    L = 50
+    k, v, q = torch.randn(L, 2, 16), torch.randn(L, 2, 16), torch.randn(L, 4, 16)
+    R.write_kv(layer, k, v, bt, torch.arange(L))
+    whole = R.attention(q, layer, bt, torch.arange(L), 0.25)
+    parts = [R.attention(q[s:e], layer, bt, torch.arange(s, e), 0.25) for s, e in ((0, 20), (20, 49), (49, 50))]
+    assert torch.allclose(torch.cat(parts), whole, atol=1e-6)

@@ -1,0 +1,143 @@
+"""Linear layers (linear, swiglu, lm_head) of every backend against the reference, BF16 and INT8 weights.
+
+Small (interpreter): float32 and bf16, 1 to 40 rows, 64 and 200 input features (200 leaves a
+partial K tile), 72 output features; the weight in the model dtype, INT8, and float32 for lm_head.
+Model (GPU): bf16 at every registered model's projections (qkv with its bias where the model has
+one, o, gate_up through swiglu, down) and vocabulary, 1 to 512 rows. Tolerances (relative in norm):
+linear ``TOL``, swiglu 2 x ``TOL`` in the interpreter and 1e-2 on the GPU, float32 logits 1e-5 in the
+interpreter and 1e-4 on the GPU (bf16 activations, float32 accumulation in another order).
+Kernel variants of one backend (Triton's GEMM kinds, cuTile's split-K) are forced at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.numerics import DTYPES, MODELS, TOL, close, q8, qkv_out
+from tileinfer.ops import reference as R
+
+SMALL_T = (1, 5, 16, 40)
+
+
+def check_linear_swiglu_lm_head(ops, x, w, bias, tol, swiglu_tol, logits_tol):
+    """linear (with and without bias), swiglu and lm_head of ``ops`` on one input, BF16/float32
+    weight ``w`` [N, K] and its INT8 copy; lm_head also with a float32 weight."""
+    wq = q8(w)
+    for ww in (w, wq):
+        kind = "int8" if ww is wq else str(w.dtype)
+        close(ops.linear(x, ww), R.linear(x, ww), tol, f"linear {kind}")
+        close(ops.linear(x, ww, bias), R.linear(x, ww, bias), tol, f"linear + bias {kind}")
+        close(ops.swiglu(x, ww), R.swiglu(x, ww), swiglu_tol, f"swiglu {kind}")
+    for ww in (w, wq, w.float()):
+        close(ops.lm_head(x, ww), R.lm_head(x, ww), logits_tol, "lm_head")
+
+
+@pytest.mark.cases("dt,T,K", small=[(dt, T, K) for dt in DTYPES for T in SMALL_T for K in (64, 200)])
+def test_linear_swiglu_lm_head_small(target, dt, T, K):
+    dt = DTYPES[dt]
+    N = 72
+    x = torch.randn(T, K).to(dt)
+    w = (torch.randn(N, K) / K**0.5).to(dt)
+    check_linear_swiglu_lm_head(target.ops, x, w, torch.randn(N).to(dt), TOL[dt], 2 * TOL[dt], 1e-5)
+
+
+def projections(c) -> dict[str, tuple[int, int, bool]]:
+    """name: (out features, in features, has bias) of one layer's linear projections."""
+    h, d = c.num_attention_heads, c.head_dim
+    return {"qkv": (qkv_out(c), c.hidden_size, c.attention_bias), "o": (c.hidden_size, h * d, False),
+            "down": (c.hidden_size, c.intermediate_size, False)}
+
+
+@pytest.mark.cases("model,T", model=[(name, T) for name in MODELS for T in (1, 5, 7, 16, 300, 512)])
+def test_linear_swiglu(target, model, T):
+    c = MODELS[model]
+    dev, bf = target.device, torch.bfloat16
+    for name, (n, k, has_bias) in projections(c).items():
+        x = torch.randn(T, k, device=dev).to(bf)
+        w = (torch.randn(n, k, device=dev) * k**-0.5).to(bf)
+        b = torch.randn(n, device=dev).to(bf) if has_bias else None
+        for ww in (w, q8(w)):
+            close(target.ops.linear(x, ww, b), R.linear(x, ww, b), 1e-2, f"{name} int8={ww is not w}")
+    x = torch.randn(T, c.hidden_size, device=dev).to(bf)
+    w = (torch.randn(2 * c.intermediate_size, c.hidden_size, device=dev) * c.hidden_size**-0.5).to(bf)
+    for ww in (w, q8(w)):
+        close(target.ops.swiglu(x, ww), R.swiglu(x, ww), 1e-2, f"gate_up int8={ww is not w}")
+
+
+@pytest.mark.cases("model,T", model=[(name, T) for name in MODELS for T in (1, 5, 16, 300)])
+def test_lm_head(target, model, T):
+    c = MODELS[model]
+    dev = target.device
+    x = torch.randn(T, c.hidden_size, device=dev).to(torch.bfloat16)
+    w = (torch.randn(c.vocab_size, c.hidden_size, device=dev) * c.hidden_size**-0.5).to(torch.bfloat16)
+    for ww in (w, q8(w), w.float()):
+        close(target.ops.lm_head(x, ww), R.lm_head(x, ww), 1e-4, f"lm_head {type(ww).__name__}")
+
+
+# ---------------------------------------------------------------------------- one backend's variants
+
+# Triton's GEMM kinds forced through the tile tables' override hook: pointer-based, persistent TMA,
+# TMA warp-specialised (compiled only), and the int32-word INT8 GEMV.
+TRITON_SMALL_VARIANTS = {
+    "ptr": {"gemm_bf16": (32, 32, 32, 8, 4, 2, "ptr"), "gemm_int8": (32, 32, 32, 8, 4, 2, "ptr")},
+    "tma": {"gemm_bf16": (32, 32, 32, 8, 4, 2, "tma"), "gemm_int8": (32, 32, 32, 8, 4, 2, "tma"),
+            "gemv1_int8": (4, 64, 4, 2, 2)},
+}
+TRITON_VARIANTS = {
+    "ptr": {"gemm_bf16": (128, 128, 64, 8, 8, 3, "ptr"), "gemm_int8": (128, 128, 64, 8, 8, 3, "ptr")},
+    "tma": {"gemm_bf16": (128, 128, 64, 8, 8, 4, "tma"), "gemm_int8": (128, 64, 64, 8, 4, 4, "tma"),
+            "gemv1_int8": (16, 512, 4, 2, 2)},
+    "tma_ws": {"gemm_bf16": (128, 256, 64, 8, 8, 3, "tma_ws"),  # SwiGLU clamps to 128 columns
+               "gemm_int8": (128, 128, 64, 8, 8, 4, "tma_ws"), "gemv1_int8": (16, 512, 4, 1, 1)},
+}
+
+
+@pytest.mark.cases("variant,dt,T,K", targets=("triton-interpret",),
+                   small=[(v, dt, T, K) for v in TRITON_SMALL_VARIANTS for dt in DTYPES for T in (1, 40)
+                          for K in (64, 200)])
+def test_triton_variants_small(target, monkeypatch, variant, dt, T, K):
+    """The interpreter through each GEMM kind; "tma" also through the INT8 prefill path that widens
+    the weight to bf16 first (threshold lowered to 32 rows)."""
+    from tileinfer.ops.triton import gemm
+
+    for key, cfg in TRITON_SMALL_VARIANTS[variant].items():
+        monkeypatch.setitem(gemm._OVERRIDE, key, cfg)
+    if variant == "tma":
+        monkeypatch.setattr(gemm, "INT8_DEQUANT_ROWS", 32)
+    dt = DTYPES[dt]
+    N = 72
+    x = torch.randn(T, K).to(dt)
+    w = (torch.randn(N, K) / K**0.5).to(dt)
+    check_linear_swiglu_lm_head(target.ops, x, w, torch.randn(N).to(dt), TOL[dt], 2 * TOL[dt], 1e-5)
+
+
+@pytest.mark.cases("variant", targets=("triton",), model=list(TRITON_VARIANTS))
+def test_triton_variants(target, monkeypatch, variant):
+    """Each GEMM kind and both INT8 GEMV modes at Qwen2.5-0.5B's odd sizes (896 in, 4864 inter);
+    600 rows: INT8 weights widened to bf16 first."""
+    from tileinfer.ops.triton import gemm
+
+    for key, cfg in TRITON_VARIANTS[variant].items():
+        monkeypatch.setitem(gemm._OVERRIDE, key, cfg)
+    c = MODELS["qwen2.5-coder-0.5b"]
+    for T in (1, 300, 600):
+        for n, k, swiglu in ((qkv_out(c), c.hidden_size, False), (2 * c.intermediate_size, c.hidden_size, True),
+                             (c.hidden_size, c.intermediate_size, False)):
+            x = torch.randn(T, k, device="cuda").to(torch.bfloat16)
+            w = (torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16)
+            f, r = (target.ops.swiglu, R.swiglu) if swiglu else (target.ops.linear, R.linear)
+            for ww in (w, q8(w)):
+                close(f(x, ww), r(x, ww), 2e-2, f"{variant} T={T} {n}x{k}")
+
+
+@pytest.mark.cases(targets=("cutile",), model=[()])
+def test_cutile_split_k_matches_single_pass(target, monkeypatch):
+    """A narrow skinny product (Qwen3-4B's down projection at 3 rows) split over K and in one pass."""
+    from tileinfer.ops.cutile import gemm
+
+    x = torch.randn(3, 9728, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(2560, 9728, device="cuda") * 0.05).to(torch.bfloat16)
+    close(target.ops.linear(x, w), R.linear(x, w), 1e-2, "split-K")
+    monkeypatch.setattr(gemm, "SPLIT_K", False)
+    close(target.ops.linear(x, w), R.linear(x, w), 1e-2, "single pass")
