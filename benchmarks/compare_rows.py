@@ -15,8 +15,16 @@ import polars as pl
 from tileinfer.jobs import tables
 
 KEY = ["model", "quant", "smooth_keys", "ctx", "prompt_set", "backend"]
-NOT_COMPARED = {"prefill_ms", "prefill_tok_s", "decode_tok_s", "decode_ms_per_tok", "wall_s", "finished_at",
-                "git_commit", "row_file"}
+NOT_COMPARED = {
+    "prefill_ms",
+    "prefill_tok_s",
+    "decode_tok_s",
+    "decode_ms_per_tok",
+    "wall_s",
+    "finished_at",
+    "git_commit",
+    "row_file",
+}
 
 
 def rows(runs: str) -> pl.DataFrame:
@@ -35,11 +43,15 @@ def main(before: str, after: str) -> int:
     print(f"{len(common)} columns compared; differ: {', '.join(differ) or 'none'}")
     for c in differ:
         print(f"  {c}: {a[c].to_list()} -> {b[c].to_list()}")
-    print(f"only before: {sorted(set(a.columns) - set(b.columns))}; only after: {sorted(set(b.columns) - set(a.columns))}")
+    print(
+        f"only before: {sorted(set(a.columns) - set(b.columns))}; only after: {sorted(set(b.columns) - set(a.columns))}"
+    )
     same_positions = all(
         pl.read_parquet(fa.replace(".parquet", ".positions.parquet")).equals(
-            pl.read_parquet(fb.replace(".parquet", ".positions.parquet")))
-        for fa, fb in zip(a["row_file"], b["row_file"], strict=True))
+            pl.read_parquet(fb.replace(".parquet", ".positions.parquet"))
+        )
+        for fa, fb in zip(a["row_file"], b["row_file"], strict=True)
+    )
     print(f"per-position tables: {'bit-identical' if same_positions else 'DIFFER'}")
     return 0 if not differ and same_positions else 1
 

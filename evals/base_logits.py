@@ -64,8 +64,8 @@ class FullLogits:
     def position_metrics(self, start: int, cand_logits: torch.Tensor) -> dict[str, torch.Tensor]:
         """:func:`evals.metrics.position_metrics` of rows ``start:start+n`` against candidate logits [n, V]."""
         n = cand_logits.shape[0]
-        nxt = torch.as_tensor(self.tokens[self.prompt_len + start:self.prompt_len + start + n])
-        return position_metrics(self.logits[start:start + n].to(cand_logits.device), cand_logits, nxt)
+        nxt = torch.as_tensor(self.tokens[self.prompt_len + start : self.prompt_len + start + n])
+        return position_metrics(self.logits[start : start + n].to(cand_logits.device), cand_logits, nxt)
 
     def to_topk(self, k: int = 64, manifest: dict | None = None) -> "TopKLogits":
         """The compact stored form of these base logits."""
@@ -100,8 +100,9 @@ class TopKLogits:
         return self.topk_ids.shape[1]
 
     @classmethod
-    def from_logits(cls, logits: torch.Tensor, tokens, prompt_len: int, k: int = 64,
-                    manifest: dict | None = None) -> "TopKLogits":
+    def from_logits(
+        cls, logits: torch.Tensor, tokens, prompt_len: int, k: int = 64, manifest: dict | None = None
+    ) -> "TopKLogits":
         """Record from full logits [N, V] of the N scored positions of ``tokens`` (L = prompt_len + N)."""
         tokens = torch.as_tensor(tokens, dtype=torch.int32)
         nxt = tokens[prompt_len:].long()
@@ -109,16 +110,28 @@ class TopKLogits:
             raise ValueError(f"{logits.shape[0]} logit rows for {nxt.shape[0]} scored positions")
         logp = _log_softmax(logits)
         top = logp.topk(min(k, logp.shape[-1]), dim=-1)
-        return cls(tokens, prompt_len, top.indices.int(), top.values, _tail_logmass(logp, top.indices),
-                   logp.gather(-1, nxt[:, None])[:, 0], dict(manifest or {}))
+        return cls(
+            tokens,
+            prompt_len,
+            top.indices.int(),
+            top.values,
+            _tail_logmass(logp, top.indices),
+            logp.gather(-1, nxt[:, None])[:, 0],
+            dict(manifest or {}),
+        )
 
     def save(self, path) -> None:
         """Write atomically as safetensors (tensors + manifest in the header metadata)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": FORMAT, "prompt_len": str(self.prompt_len), "manifest": json.dumps(self.manifest)}
-        tensors = {"tokens": self.tokens, "topk_ids": self.topk_ids, "topk_logprobs": self.topk_logprobs,
-                   "tail_logmass": self.tail_logmass, "next_logprob": self.next_logprob}
+        tensors = {
+            "tokens": self.tokens,
+            "topk_ids": self.topk_ids,
+            "topk_logprobs": self.topk_logprobs,
+            "tail_logmass": self.tail_logmass,
+            "next_logprob": self.next_logprob,
+        }
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
         os.chmod(tmp, 0o644)  # a committed base-logits file must be readable like any other
@@ -144,8 +157,15 @@ class TopKLogits:
             raise UserError(f"cannot read stored base logits {path}: {e}") from None
         if meta.get("format") != FORMAT:
             raise UserError(f"{path} is not a tileinfer base-logits file (format {meta.get('format')!r})")
-        return cls(t["tokens"], int(meta["prompt_len"]), t["topk_ids"], t["topk_logprobs"],
-                   t["tail_logmass"], t["next_logprob"], json.loads(meta["manifest"]))
+        return cls(
+            t["tokens"],
+            int(meta["prompt_len"]),
+            t["topk_ids"],
+            t["topk_logprobs"],
+            t["tail_logmass"],
+            t["next_logprob"],
+            json.loads(meta["manifest"]),
+        )
 
     def position_metrics(self, start: int, cand_logits: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-position comparison of rows ``start:start+n`` with candidate logits [n, V].
@@ -157,9 +177,9 @@ class TopKLogits:
         """
         n = cand_logits.shape[0]
         dev = cand_logits.device
-        ids = self.topk_ids[start:start + n].to(dev).long()
-        lp = self.topk_logprobs[start:start + n].to(dev)
-        lt = self.tail_logmass[start:start + n].to(dev)
+        ids = self.topk_ids[start : start + n].to(dev).long()
+        lp = self.topk_logprobs[start : start + n].to(dev)
+        lt = self.tail_logmass[start : start + n].to(dev)
         lq_all = _log_softmax(cand_logits)
         lq = lq_all.gather(-1, ids)
         lqt = _tail_logmass(lq_all, ids)
@@ -171,16 +191,22 @@ class TopKLogits:
 
         kl = term(p, lp, lq).sum(-1) + term(pt, lt, lqt)
         rkl = term(q, lq, lp).sum(-1) + term(qt, lqt, lt)
-        nxt = self.tokens[self.prompt_len + start:self.prompt_len + start + n].to(dev).long()
-        logp_base = self.next_logprob[start:start + n].to(dev)
+        nxt = self.tokens[self.prompt_len + start : self.prompt_len + start + n].to(dev).long()
+        logp_base = self.next_logprob[start : start + n].to(dev)
         logp_cand = lq_all.gather(-1, nxt[:, None])[:, 0]
         argmax_cand = cand_logits.argmax(-1)
         ent_q = -(lq_all.exp() * torch.nan_to_num(lq_all, neginf=0.0)).double().sum(-1)
         return {
-            "kl": kl.clamp_min(0).float(), "rkl": rkl.clamp_min(0).float(),
+            "kl": kl.clamp_min(0).float(),
+            "rkl": rkl.clamp_min(0).float(),
             "top1_agree": ids[:, 0] == argmax_cand,
-            "p_base": logp_base.exp(), "p_cand": logp_cand.exp(), "dp": logp_cand.exp() - logp_base.exp(),
-            "logp_base": logp_base, "logp_cand": logp_cand,
-            "entropy_base": torch.full((n,), float("nan"), device=dev), "entropy_cand": ent_q.float(),
-            "argmax_base": ids[:, 0], "argmax_cand": argmax_cand,
+            "p_base": logp_base.exp(),
+            "p_cand": logp_cand.exp(),
+            "dp": logp_cand.exp() - logp_base.exp(),
+            "logp_base": logp_base,
+            "logp_cand": logp_cand,
+            "entropy_base": torch.full((n,), float("nan"), device=dev),
+            "entropy_cand": ent_q.float(),
+            "argmax_base": ids[:, 0],
+            "argmax_cand": argmax_cand,
         }

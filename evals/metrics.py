@@ -63,8 +63,18 @@ LLAMA_CPP_LABELS = {
 
 # Per-position arrays returned by position_metrics, in a fixed order.
 POSITION_KEYS = (
-    "kl", "rkl", "top1_agree", "p_base", "p_cand", "dp", "logp_base", "logp_cand",
-    "entropy_base", "entropy_cand", "argmax_base", "argmax_cand",
+    "kl",
+    "rkl",
+    "top1_agree",
+    "p_base",
+    "p_cand",
+    "dp",
+    "logp_base",
+    "logp_cand",
+    "entropy_base",
+    "entropy_cand",
+    "argmax_base",
+    "argmax_cand",
 )
 
 
@@ -88,8 +98,9 @@ def _weighted_sum(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.where(p > 0, p * v, torch.zeros((), dtype=p.dtype, device=p.device)).sum(dim=-1)
 
 
-def position_metrics(base_logits: torch.Tensor, cand_logits: torch.Tensor,
-                     next_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+def position_metrics(
+    base_logits: torch.Tensor, cand_logits: torch.Tensor, next_tokens: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Per-position comparison of the base (P) and candidate (Q) next-token distributions.
 
     Args:
@@ -123,12 +134,10 @@ def position_metrics(base_logits: torch.Tensor, cand_logits: torch.Tensor,
         ValueError: on mismatched shapes.
     """
     if base_logits.dim() != 2 or base_logits.shape != cand_logits.shape:
-        raise ValueError(f"logits must both be [N, V]; got {tuple(base_logits.shape)} and "
-                         f"{tuple(cand_logits.shape)}")
+        raise ValueError(f"logits must both be [N, V]; got {tuple(base_logits.shape)} and {tuple(cand_logits.shape)}")
     next_tokens = torch.as_tensor(next_tokens, device=base_logits.device).long()
     if next_tokens.shape != base_logits.shape[:1]:
-        raise ValueError(f"next_tokens must be [{base_logits.shape[0]}]; "
-                         f"got {tuple(next_tokens.shape)}")
+        raise ValueError(f"next_tokens must be [{base_logits.shape[0]}]; got {tuple(next_tokens.shape)}")
 
     x = base_logits.float()
     y = cand_logits.to(device=x.device, dtype=torch.float32)
@@ -219,8 +228,10 @@ def summarize(per_position: Mapping[str, object]) -> dict[str, float]:
     Raises:
         ValueError: if there are no positions or the arrays differ in length.
     """
-    a = {k: _to_numpy(per_position[k]).ravel() for k in
-         ("kl", "rkl", "top1_agree", "p_base", "p_cand", "logp_base", "logp_cand")}
+    a = {
+        k: _to_numpy(per_position[k]).ravel()
+        for k in ("kl", "rkl", "top1_agree", "p_base", "p_cand", "logp_base", "logp_cand")
+    }
     n = a["kl"].size
     if n == 0:
         raise ValueError("no scored positions to summarize")
@@ -263,8 +274,9 @@ class MetricsAccumulator:
     def __init__(self) -> None:
         self._parts: dict[str, list[torch.Tensor]] = {k: [] for k in POSITION_KEYS}
 
-    def add(self, base_logits: torch.Tensor, cand_logits: torch.Tensor,
-            next_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    def add(
+        self, base_logits: torch.Tensor, cand_logits: torch.Tensor, next_tokens: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """Score one chunk (shapes as :func:`position_metrics`); returns its per-position dict
         (on the logits' device) and keeps a CPU copy."""
         m = position_metrics(base_logits, cand_logits, next_tokens)

@@ -50,19 +50,22 @@ RENAME_TO = "_int_to_member"
 
 # Padding files in the order they are used (a fixed tuple, not a directory listing, so the
 # prompt never depends on file-system order). About 160 KB: >40k tokens with SmolLM2 and Qwen2.5.
-PADDING_FILES = ("contextlib.py", "textwrap.py", "shlex.py", "heapq.py", "fractions.py",
-                 "statistics.py")
+PADDING_FILES = ("contextlib.py", "textwrap.py", "shlex.py", "heapq.py", "fractions.py", "statistics.py")
 
 # Stands in for the padding while the chat template is rendered; must not occur in any text.
-_PLACEHOLDER = "\uE000TILEINFER-PADDING\uE000"
+_PLACEHOLDER = "\ue000TILEINFER-PADDING\ue000"
 
 _INSTRUCTIONS = {
-    "edit": (f"Rename the function `{RENAME_FROM}` to `{RENAME_TO}` everywhere in `{TARGET_FILE}` "
-             "(its definition and every call) and change nothing else. Reply with the complete "
-             "updated file in a single ```python code block."),
-    "explain": (f"Explain what `{TARGET_FILE}` does: the purpose of the module, what each function "
-                "and each top-level statement does, and why the code is written this way. Write "
-                "for a Python programmer who has not seen this file before."),
+    "edit": (
+        f"Rename the function `{RENAME_FROM}` to `{RENAME_TO}` everywhere in `{TARGET_FILE}` "
+        "(its definition and every call) and change nothing else. Reply with the complete "
+        "updated file in a single ```python code block."
+    ),
+    "explain": (
+        f"Explain what `{TARGET_FILE}` does: the purpose of the module, what each function "
+        "and each top-level statement does, and why the code is written this way. Write "
+        "for a Python programmer who has not seen this file before."
+    ),
 }
 
 
@@ -71,8 +74,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
-    def apply_chat_template(self, messages: list[dict],
-                            add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
 
 
 def _read(path: Path) -> str:
@@ -88,18 +90,19 @@ def target_source() -> str:
 
 def _padding_pieces() -> list[str]:
     """The padding text, one piece per file, each introduced by a comment naming the file."""
-    return [f"# ===== file: {name} =====\n\n{_read(_STDLIB_DIR / f'{name}.txt')}\n\n"
-            for name in PADDING_FILES]
+    return [f"# ===== file: {name} =====\n\n{_read(_STDLIB_DIR / f'{name}.txt')}\n\n" for name in PADDING_FILES]
 
 
 def _user_message(prompt_set: str, padding: str) -> str:
     # Built by concatenation, not str.format: the source text contains braces.
     source = target_source().rstrip("\n")
-    return ("The following files are from the same project, for context:\n\n"
-            + padding
-            + "\n\n(End of the context files.)\n\n"
-            + f"Here is the file `{TARGET_FILE}`:\n\n```python\n{source}\n```\n\n"
-            + _INSTRUCTIONS[prompt_set])
+    return (
+        "The following files are from the same project, for context:\n\n"
+        + padding
+        + "\n\n(End of the context files.)\n\n"
+        + f"Here is the file `{TARGET_FILE}`:\n\n```python\n{source}\n```\n\n"
+        + _INSTRUCTIONS[prompt_set]
+    )
 
 
 def base_prompt_ids(tokenizer: Tokenizer, prompt_set: str) -> tuple[list[int], list[int]]:
@@ -116,17 +119,19 @@ def base_prompt_ids(tokenizer: Tokenizer, prompt_set: str) -> tuple[list[int], l
             through exactly once.
     """
     if prompt_set not in PROMPT_SETS:
-        raise UserError(f"unknown prompt set {prompt_set!r}; "
-                        f"choose one of {', '.join(PROMPT_SETS)}")
+        raise UserError(f"unknown prompt set {prompt_set!r}; choose one of {', '.join(PROMPT_SETS)}")
     messages = [{"role": "user", "content": _user_message(prompt_set, _PLACEHOLDER)}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     parts = rendered.split(_PLACEHOLDER)
     if len(parts) != 2:
-        raise UserError(f"the tokenizer's chat template rendered the user message {len(parts) - 1} "
-                        "times (expected once); cannot build the built-in prompts with it")
+        raise UserError(
+            f"the tokenizer's chat template rendered the user message {len(parts) - 1} "
+            "times (expected once); cannot build the built-in prompts with it"
+        )
     head, tail = parts
-    return list(tokenizer.encode(head, add_special_tokens=False)), \
-        list(tokenizer.encode(tail, add_special_tokens=False))
+    return list(tokenizer.encode(head, add_special_tokens=False)), list(
+        tokenizer.encode(tail, add_special_tokens=False)
+    )
 
 
 def _padding_ids(tokenizer: Tokenizer, n: int) -> list[int]:
@@ -137,8 +142,10 @@ def _padding_ids(tokenizer: Tokenizer, n: int) -> list[int]:
             break
         ids.extend(tokenizer.encode(piece, add_special_tokens=False))
     if len(ids) < n:
-        raise UserError(f"the bundled padding text is only {len(ids)} tokens with this tokenizer, "
-                        f"but {n} are needed; use a smaller ctx or a text prompt file")
+        raise UserError(
+            f"the bundled padding text is only {len(ids)} tokens with this tokenizer, "
+            f"but {n} are needed; use a smaller ctx or a text prompt file"
+        )
     return ids[:n]
 
 
@@ -162,8 +169,10 @@ def build_prompt(tokenizer: Tokenizer, prompt_set: str, ctx_tokens: int) -> list
     head, tail = base_prompt_ids(tokenizer, prompt_set)
     base = len(head) + len(tail)
     if ctx_tokens < base:
-        raise UserError(f"ctx {ctx_tokens} is too small for the {prompt_set!r} prompt set, whose "
-                        f"prompt is {base} tokens without padding; use ctx >= {base}")
+        raise UserError(
+            f"ctx {ctx_tokens} is too small for the {prompt_set!r} prompt set, whose "
+            f"prompt is {base} tokens without padding; use ctx >= {base}"
+        )
     return head + _padding_ids(tokenizer, ctx_tokens - base) + tail
 
 
@@ -186,8 +195,7 @@ def load_text_prompts(path: str | os.PathLike) -> list[str]:
     try:
         content = _read(p)
     except UnicodeDecodeError as e:
-        raise UserError(f"prompt file {str(p)!r} is not UTF-8 text "
-                        f"({e.reason} at byte {e.start})") from None
+        raise UserError(f"prompt file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     if suffix == ".txt":
         texts = [content]
     else:
@@ -232,8 +240,10 @@ def build_text_prompt(tokenizer: Tokenizer, text: str, ctx_tokens: int) -> list[
     """
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     if len(ids) < ctx_tokens:
-        raise UserError(f"the text prompt is only {len(ids)} tokens, shorter than ctx "
-                        f"{ctx_tokens}; use a longer text or a smaller ctx")
+        raise UserError(
+            f"the text prompt is only {len(ids)} tokens, shorter than ctx "
+            f"{ctx_tokens}; use a longer text or a smaller ctx"
+        )
     return ids[:ctx_tokens]
 
 
@@ -255,24 +265,33 @@ def _resolve_data_files(spec: str | os.PathLike | Sequence[str | os.PathLike]) -
     for s in specs:
         s = os.fspath(s)
         if os.path.isdir(s):
-            found = sorted(os.path.join(s, f) for f in os.listdir(s)
-                           if os.path.splitext(f)[1].lower() in _DATASET_BUILDERS)
+            found = sorted(
+                os.path.join(s, f) for f in os.listdir(s) if os.path.splitext(f)[1].lower() in _DATASET_BUILDERS
+            )
         elif os.path.isfile(s):
             found = [s]
         else:
             found = sorted(f for f in glob.glob(s) if os.path.isfile(f))
         if not found:
-            hint = ("; it looks like a Hugging Face Hub dataset id, but this toolkit has no Hub "
-                    "access: download the data and pass local files"
-                    if s.count("/") == 1 and not s.startswith((".", "/")) else "")
+            hint = (
+                "; it looks like a Hugging Face Hub dataset id, but this toolkit has no Hub "
+                "access: download the data and pass local files"
+                if s.count("/") == 1 and not s.startswith((".", "/"))
+                else ""
+            )
             raise UserError(f"dataset {s!r} matches no local file{hint}")
         files.extend(found)
     return files
 
 
-def load_dataset_prompts(data_files: str | os.PathLike | Sequence[str | os.PathLike], *,
-                         field: str | None = None, split: str = "train", limit: int | None = None,
-                         cache_dir: str | os.PathLike | None = None) -> list[str]:
+def load_dataset_prompts(
+    data_files: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    field: str | None = None,
+    split: str = "train",
+    limit: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> list[str]:
     """Texts from local dataset files, read with the ``datasets`` library (no Hub access).
 
     Args:
@@ -295,8 +314,10 @@ def load_dataset_prompts(data_files: str | os.PathLike | Sequence[str | os.PathL
     files = _resolve_data_files(data_files)
     suffixes = sorted({os.path.splitext(f)[1].lower() for f in files})
     if len(suffixes) != 1 or suffixes[0] not in _DATASET_BUILDERS:
-        raise UserError(f"dataset files must all be one of {', '.join(_DATASET_BUILDERS)}; "
-                        f"got {', '.join(s or '(no extension)' for s in suffixes)}")
+        raise UserError(
+            f"dataset files must all be one of {', '.join(_DATASET_BUILDERS)}; "
+            f"got {', '.join(s or '(no extension)' for s in suffixes)}"
+        )
     builder, kwargs = _DATASET_BUILDERS[suffixes[0]]
 
     import datasets  # deferred: importing datasets takes a second or two
@@ -304,9 +325,13 @@ def load_dataset_prompts(data_files: str | os.PathLike | Sequence[str | os.PathL
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # bars for reading a few local files are noise
     try:
-        ds = datasets.load_dataset(builder, data_files={split: files}, split=split,
-                                   cache_dir=None if cache_dir is None else os.fspath(cache_dir),
-                                   **kwargs)
+        ds = datasets.load_dataset(
+            builder,
+            data_files={split: files},
+            split=split,
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+            **kwargs,
+        )
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
         # datasets wraps the informative error (bad JSON, schemas that differ between files).
         while e.__cause__ is not None:

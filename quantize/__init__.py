@@ -13,4 +13,13 @@ from quantize.checkpoint import kv_int8_of, quantization_config, write_checkpoin
 from quantize.scheme import DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantScheme, apply
 from quantize.smoothing import DEFAULT_ALPHA
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_CALIBRATION_TOKENS", "PRECISIONS", "QuantScheme", "apply", "kv_int8_of", "quantization_config", "write_checkpoint"]
+__all__ = [
+    "DEFAULT_ALPHA",
+    "DEFAULT_CALIBRATION_TOKENS",
+    "PRECISIONS",
+    "QuantScheme",
+    "apply",
+    "kv_int8_of",
+    "quantization_config",
+    "write_checkpoint",
+]

@@ -25,11 +25,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from quantize.scheme import BUILTIN_CALIBRATION, calibration_text
 from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.errors import UserError
 from tileinfer.models.transformer import SCALE_SUFFIX
-
-from quantize.scheme import BUILTIN_CALIBRATION, calibration_text
 
 QUANT_METHOD = "tileinfer-int8"
 WEIGHTS_FILE = "model.safetensors"
@@ -70,14 +69,20 @@ def quantization_config(info: dict, source: str | os.PathLike | None = None) -> 
         bytes), ``calibration_tokens``; ``source`` and ``source_sha256`` when given.
     """
     spec = info["spec"]
-    qc = {"quant_method": QUANT_METHOD, "weights": spec.weights, "kv_cache": spec.kv_cache,
-          "smooth_keys": spec.smoothing}
+    qc = {
+        "quant_method": QUANT_METHOD,
+        "weights": spec.weights,
+        "kv_cache": spec.kv_cache,
+        "smooth_keys": spec.smoothing,
+    }
     if spec.smoothing:
         text = calibration_text(spec.calibration)
-        qc.update(smooth_alpha=spec.smooth_alpha,
-                  calibration=spec.calibration or BUILTIN_CALIBRATION,
-                  calibration_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                  calibration_tokens=info["calibration_tokens"])
+        qc.update(
+            smooth_alpha=spec.smooth_alpha,
+            calibration=spec.calibration or BUILTIN_CALIBRATION,
+            calibration_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            calibration_tokens=info["calibration_tokens"],
+        )
     if source is not None:
         qc.update(source=str(source), source_sha256=source_sha256(source))
     return qc
@@ -128,14 +133,19 @@ def check_out(out: str | os.PathLike, force: bool) -> None:
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not (out.is_dir() and _is_quantized_checkpoint(out)):
-        raise UserError(f"{out} exists and is not a quantized checkpoint written by this tool; "
-                        "choose another --out")
+        raise UserError(f"{out} exists and is not a quantized checkpoint written by this tool; choose another --out")
     if not force:
         raise UserError(f"{out} holds a quantized checkpoint; pass --force to replace it")
 
 
-def write_checkpoint(out: str | os.PathLike, state_dict: dict[str, torch.Tensor], hf_config: dict,
-                     quant_config: dict, tokenizer=None, force: bool = False) -> Path:
+def write_checkpoint(
+    out: str | os.PathLike,
+    state_dict: dict[str, torch.Tensor],
+    hf_config: dict,
+    quant_config: dict,
+    tokenizer=None,
+    force: bool = False,
+) -> Path:
     """Write a quantized checkpoint folder, atomically.
 
     Everything is written into a temporary folder beside ``out``, which is then renamed to ``out``:

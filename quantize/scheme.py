@@ -14,12 +14,11 @@ from pathlib import Path
 
 import torch
 
+from quantize.smoothing import DEFAULT_ALPHA, fold_key_scales, key_absmax, smoothing_scales
+from quantize.weights import quantize_weights
 from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
-
-from quantize.smoothing import DEFAULT_ALPHA, fold_key_scales, key_absmax, smoothing_scales
-from quantize.weights import quantize_weights
 
 PRECISIONS = ("bf16", "int8")
 BUILTIN_CALIBRATION = "builtin"  # how the built-in calibration text is named in records
@@ -81,8 +80,13 @@ class QuantScheme:
         """
         if self.smoothing:
             return self
-        return replace(self, smooth_keys=False, smooth_alpha=DEFAULT_ALPHA, calibration=None,
-                       calibration_tokens=DEFAULT_CALIBRATION_TOKENS)
+        return replace(
+            self,
+            smooth_keys=False,
+            smooth_alpha=DEFAULT_ALPHA,
+            calibration=None,
+            calibration_tokens=DEFAULT_CALIBRATION_TOKENS,
+        )
 
 
 def calibration_text(path: str | None) -> str:
@@ -104,8 +108,14 @@ def calibration_text(path: str | None) -> str:
         raise UserError(f"calibration file {path} is not UTF-8 text: {e}") from None
 
 
-def apply(source: Checkpoint | dict[str, torch.Tensor], config: ModelConfig | None, spec: QuantScheme,
-          tokenizer=None, progress: bool = False, device="cpu") -> tuple[dict[str, torch.Tensor], dict]:
+def apply(
+    source: Checkpoint | dict[str, torch.Tensor],
+    config: ModelConfig | None,
+    spec: QuantScheme,
+    tokenizer=None,
+    progress: bool = False,
+    device="cpu",
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Quantize a float model in memory: smooth the keys (if effective), then quantize the weights.
 
     Args:
@@ -153,11 +163,10 @@ def apply(source: Checkpoint | dict[str, torch.Tensor], config: ModelConfig | No
         if tokenizer is None:
             raise UserError("key smoothing needs a tokenizer to encode the calibration text")
         ids = list(tokenizer.encode(calibration_text(spec.calibration), add_special_tokens=False))
-        ids = ids[:spec.calibration_tokens]
+        ids = ids[: spec.calibration_tokens]
         start = time.perf_counter()
         scales = smoothing_scales(key_absmax(sd, config, ids, device=device, progress=progress), spec.smooth_alpha)
-        info.update(calibration_seconds=time.perf_counter() - start, calibration_tokens=len(ids),
-                    key_scales=scales)
+        info.update(calibration_seconds=time.perf_counter() - start, calibration_tokens=len(ids), key_scales=scales)
         sd = fold_key_scales(sd, config, scales)
     if spec.weights == "int8":
         sd, info["quantized"] = quantize_weights(sd, config, progress=progress)

@@ -32,15 +32,15 @@ import torch
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
 from tileinfer.core.kv_cache import KVLayer
+from tileinfer.engine.runner import ModelRunner
 from tileinfer.models import Transformer
 from tileinfer.ops import reference
-from tileinfer.engine.runner import ModelRunner
 
 DEFAULT_ALPHA = 0.5
 K_SMOOTH = "model.layers.{}.self_attn.k_smooth"  # where the scales are recorded in a state dict
 # A channel whose max is below this fraction of its head's max counts as this small: a dead channel
 # (max 0) would otherwise put -inf into the geometric mean.
-_FLOOR = 2.0 ** -20
+_FLOOR = 2.0**-20
 
 
 class _KeyTap:
@@ -57,20 +57,28 @@ class _KeyTap:
     def __getattr__(self, name):
         return getattr(reference, name)
 
-    def qk_norm_rope_kv_write(self, q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer: KVLayer,
-                              block_table, positions):
+    def qk_norm_rope_kv_write(
+        self, q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer: KVLayer, block_table, positions
+    ):
         # The same call the reference op makes first (it normalises iff norms are given), so the
         # hook sees exactly the keys the op rotates.
         kn = reference.rms_norm(k, k_norm, eps) if q_norm is not None else k
-        q_rot = reference.qk_norm_rope_kv_write(q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer,
-                                                block_table, positions)
+        q_rot = reference.qk_norm_rope_kv_write(
+            q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer, block_table, positions
+        )
         pos = positions.long()
         self.hook(layer, kn, q_rot, cos_table[pos], sin_table[pos])
         return q_rot
 
 
-def key_absmax(state_dict: dict[str, torch.Tensor], config: ModelConfig, token_ids: list[int],
-               dtype: torch.dtype = torch.bfloat16, device="cpu", progress: bool = False) -> torch.Tensor:
+def key_absmax(
+    state_dict: dict[str, torch.Tensor],
+    config: ModelConfig,
+    token_ids: list[int],
+    dtype: torch.dtype = torch.bfloat16,
+    device="cpu",
+    progress: bool = False,
+) -> torch.Tensor:
     """Run the model on ``token_ids`` and return max |k| of the pre-RoPE keys per channel.
 
     The tokens run through the engine (reference ops) in sequences of at most the model's context;
@@ -106,8 +114,9 @@ def key_absmax(state_dict: dict[str, torch.Tensor], config: ModelConfig, token_i
     with torch.inference_mode():
         for start in range(0, len(token_ids), window):
             seq = runner.new_sequence()
-            for _ in runner.chunks(seq, token_ids[start:start + window], logits_from=window,
-                                   progress="calibrate" if progress else None):
+            for _ in runner.chunks(
+                seq, token_ids[start : start + window], logits_from=window, progress="calibrate" if progress else None
+            ):
                 pass  # logits_from past the end: no lm_head, keys only
             seq.release()
     return torch.stack([absmax[id(layer)] for layer in runner.kv.layers]).cpu()
@@ -144,8 +153,9 @@ def _scaled(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return (t.float() * s.to(t.device)).to(t.dtype)
 
 
-def fold_key_scales(state_dict: dict[str, torch.Tensor], config: ModelConfig,
-                    scales: torch.Tensor) -> dict[str, torch.Tensor]:
+def fold_key_scales(
+    state_dict: dict[str, torch.Tensor], config: ModelConfig, scales: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Fold key scales into the weights: keys divided by ``s``, queries multiplied by it.
 
     With q/k norms (Qwen3) the scales go into the norm weights, which become per-head: q_norm
@@ -223,7 +233,7 @@ def key_score_error(model: Transformer, token_ids: list[int], prefill_chunk: int
             s = torch.einsum("tgd,ud->gtu", qf[:, h], k_rot[:, h].float())[:, causal].double()
             s8 = torch.einsum("tgd,ud->gtu", qf[:, h], k_deq[:, h])[:, causal].double()
             err += ((s8 - s) ** 2).sum().item()
-            ref += (s ** 2).sum().item()
+            ref += (s**2).sum().item()
 
     n = len(token_ids)
     runner = ModelRunner(model, backend=_KeyTap(measure), max_seq_len=n, prefill_chunk=prefill_chunk)

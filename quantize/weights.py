@@ -17,20 +17,27 @@ from tileinfer.models.transformer import SCALE_SUFFIX
 from tileinfer.ops.reference import quantize_int8
 
 # The linear layers of one transformer block, under transformers' module names.
-BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+BLOCK_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 
 
 def linear_weight_names(config: ModelConfig) -> list[str]:
     """Names of the weights INT8 quantization replaces: every block's linears, then ``lm_head.weight``."""
-    return [f"model.layers.{i}.{m}.weight" for i in range(config.num_hidden_layers) for m in BLOCK_LINEARS] \
-        + [LM_HEAD]
+    return [f"model.layers.{i}.{m}.weight" for i in range(config.num_hidden_layers) for m in BLOCK_LINEARS] + [LM_HEAD]
 
 
-def quantize_weights(state_dict: dict[str, torch.Tensor], config: ModelConfig,
-                     progress: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
+def quantize_weights(
+    state_dict: dict[str, torch.Tensor], config: ModelConfig, progress: bool = False
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Quantize every linear weight and the lm_head to INT8 with per-output-channel scales.
 
     Args:

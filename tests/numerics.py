@@ -96,8 +96,9 @@ def poisoned_cache(n_pages: int, page: int, kv_heads: int, d: int, dtype, int8: 
     return kv
 
 
-def filled_cache(L: int, page: int, kv_heads: int, d: int, dtype, int8: bool, device,
-                 written: int | None = None, spare: int = 3):
+def filled_cache(
+    L: int, page: int, kv_heads: int, d: int, dtype, int8: bool, device, written: int | None = None, spare: int = 3
+):
     """A poisoned pool of ``ceil(L / page) + spare`` pages for a sequence of L positions, of which
     0..written-1 (default all L) hold random k and v written by ``reference.write_kv`` (the last
     page partly filled); the block table lists one page more than the sequence needs, all
@@ -117,8 +118,16 @@ def filled_cache(L: int, page: int, kv_heads: int, d: int, dtype, int8: bool, de
 
 def clone_cache(kv: PagedKVCache) -> PagedKVCache:
     """A pool with the same contents, poison included, bit for bit."""
-    c = PagedKVCache(1, kv.num_pages, kv.page_size, kv.k.shape[2], kv.k.shape[4], kv.k.dtype,
-                     int8=kv.k_scale is not None, device=kv.k.device)
+    c = PagedKVCache(
+        1,
+        kv.num_pages,
+        kv.page_size,
+        kv.k.shape[2],
+        kv.k.shape[4],
+        kv.k.dtype,
+        int8=kv.k_scale is not None,
+        device=kv.k.device,
+    )
     for a, b in ((c.k, kv.k), (c.v, kv.v), (c.k_scale, kv.k_scale), (c.v_scale, kv.v_scale)):
         if a is not None:
             a.copy_(b)

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from evals.metrics import summarize
 from evals.base_logits import FullLogits, TopKLogits
-from tileinfer.jobs import drift
+from evals.metrics import summarize
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
-from tileinfer.models import Transformer
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.jobs import drift
+from tileinfer.models import Transformer
 
 STORED = "evals/base_logits/smollm2-135m/reference-bf16-nosmooth-{}0-ctx1024-n128.topk"
 

@@ -10,27 +10,69 @@ from tileinfer.bench.profile import DEFAULT_CASES, parse, select
 
 STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 COLS = {  # column -> unit (ncu's second row)
-    "ID": "", "Process ID": "", "Process Name": "", "Host Name": "", "Kernel Name": "", "Context": "",
-    "Stream": "", "Block Size": "", "Grid Size": "", "Device": "", "CC": "",
-    "dram__bytes_read.sum": "Kbyte", "dram__bytes_write.sum": "Kbyte",
+    "ID": "",
+    "Process ID": "",
+    "Process Name": "",
+    "Host Name": "",
+    "Kernel Name": "",
+    "Context": "",
+    "Stream": "",
+    "Block Size": "",
+    "Grid Size": "",
+    "Device": "",
+    "CC": "",
+    "dram__bytes_read.sum": "Kbyte",
+    "dram__bytes_write.sum": "Kbyte",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "%",
-    "gpu__time_duration.sum": "usecond", "launch__registers_per_thread": "register/thread",
+    "gpu__time_duration.sum": "usecond",
+    "launch__registers_per_thread": "register/thread",
     "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active": "%",
     "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active": "%",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "%",
     **{STALL.format(r): "" for r in ("long_scoreboard", "selected", "wait", "barrier", "math_pipe_throttle")},
 }
 CUTLASS = "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(T1::Params)"
-MANIFEST = [{"model": "qwen3-4b-random", "phase": "decode", "op": "linear", "shape": "qkv 1x2560->6144",
-             "variant": "bf16", "backend": "triton", "nbytes": 31_000_000, "flops": 0},
-            {"model": "qwen3-4b-random", "phase": "decode", "op": "attention", "shape": "T=1 ctx=8192",
-             "variant": "int8kv", "backend": "torch", "nbytes": 20_000_000, "flops": 0}]
+MANIFEST = [
+    {
+        "model": "qwen3-4b-random",
+        "phase": "decode",
+        "op": "linear",
+        "shape": "qkv 1x2560->6144",
+        "variant": "bf16",
+        "backend": "triton",
+        "nbytes": 31_000_000,
+        "flops": 0,
+    },
+    {
+        "model": "qwen3-4b-random",
+        "phase": "decode",
+        "op": "attention",
+        "shape": "T=1 ctx=8192",
+        "variant": "int8kv",
+        "backend": "torch",
+        "nbytes": 20_000_000,
+        "flops": 0,
+    },
+]
 
 
 def kernel(id_, name, us="", rd="", wr="", stalls=(), **extra):
-    row = {"ID": str(id_), "Process ID": "4,242", "Process Name": "python", "Host Name": "h", "Kernel Name": name,
-           "Context": "1", "Stream": "7", "Block Size": "(128, 1, 1)", "Grid Size": "(256, 1, 1)", "Device": "0",
-           "CC": "9.0", "dram__bytes_read.sum": rd, "dram__bytes_write.sum": wr, "gpu__time_duration.sum": us}
+    row = {
+        "ID": str(id_),
+        "Process ID": "4,242",
+        "Process Name": "python",
+        "Host Name": "h",
+        "Kernel Name": name,
+        "Context": "1",
+        "Stream": "7",
+        "Block Size": "(128, 1, 1)",
+        "Grid Size": "(256, 1, 1)",
+        "Device": "0",
+        "CC": "9.0",
+        "dram__bytes_read.sum": rd,
+        "dram__bytes_write.sum": wr,
+        "gpu__time_duration.sum": us,
+    }
     row.update({STALL.format(r): v for r, v in stalls})
     return {**row, **extra}
 
@@ -48,13 +90,27 @@ def raw_csv(rows, cols=COLS):
 ROWS = [  # deliberately not in ID order: the parser sorts by ID
     kernel(3, "_gemv_int8_kernel", us="10"),
     kernel(0, "_ncu_case_marker", us="1.5"),
-    kernel(1, "void gemv_kernel<128, 4>(const __nv_bfloat16*, int)", us="1,000", rd="1,500,000", wr="500,000",
-           stalls=[("long_scoreboard", "12.3"), ("selected", "5"), ("wait", "3.1"), ("barrier", "1.5"),
-                   ("math_pipe_throttle", "0.2")],
-           **{"launch__registers_per_thread": "40", "sm__warps_active.avg.pct_of_peak_sustained_active": "61.26",
-              "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active": "40",
-              "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active": "55.5",
-              "dram__throughput.avg.pct_of_peak_sustained_elapsed": "41.04"}),
+    kernel(
+        1,
+        "void gemv_kernel<128, 4>(const __nv_bfloat16*, int)",
+        us="1,000",
+        rd="1,500,000",
+        wr="500,000",
+        stalls=[
+            ("long_scoreboard", "12.3"),
+            ("selected", "5"),
+            ("wait", "3.1"),
+            ("barrier", "1.5"),
+            ("math_pipe_throttle", "0.2"),
+        ],
+        **{
+            "launch__registers_per_thread": "40",
+            "sm__warps_active.avg.pct_of_peak_sustained_active": "61.26",
+            "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active": "40",
+            "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active": "55.5",
+            "dram__throughput.avg.pct_of_peak_sustained_elapsed": "41.04",
+        },
+    ),
     kernel(2, "_ncu_case_marker", us="1.5"),
     kernel(4, CUTLASS, us="30"),
 ]
@@ -63,10 +119,14 @@ ROWS = [  # deliberately not in ID order: the parser sorts by ID
 def test_kernels_are_assigned_to_the_case_of_the_preceding_marker():
     kernels, summary = parse(raw_csv(ROWS), MANIFEST)
     assert [(k["op"], k["backend"], k["kernel"]) for k in kernels] == [
-        ("linear", "triton", "gemv_kernel"), ("attention", "torch", "_gemv_int8_kernel"),
-        ("attention", "torch", "cutlass_80_tensorop_bf16_s16816gemm_relu")]
+        ("linear", "triton", "gemv_kernel"),
+        ("attention", "torch", "_gemv_int8_kernel"),
+        ("attention", "torch", "cutlass_80_tensorop_bf16_s16816gemm_relu"),
+    ]
     assert [(s["op"], s["kernels"], s["us"], s["longest"]) for s in summary] == [
-        ("linear", 1, 1000.0, "gemv_kernel"), ("attention", 2, 40.0, "cutlass_80_tensorop_bf16_s16816gemm_relu")]
+        ("linear", 1, 1000.0, "gemv_kernel"),
+        ("attention", 2, 40.0, "cutlass_80_tensorop_bf16_s16816gemm_relu"),
+    ]
     assert summary[1]["eff_GBps"] == 500  # 20 MB in 40 us
 
 

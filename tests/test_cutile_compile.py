@@ -36,11 +36,24 @@ def test_variants_cover_every_kernel():
     """Each kernel of the backend appears among the recorded variants (nothing left untested)."""
     found, failed = aot_cutile.record(aot.model_calls(shaped_models()))
     assert failed == []
-    expected = {"embedding_kernel", "rms_norm_kernel", "add_rms_norm_kernel",
-                "qk_norm_rope_kv_kernel", "gemv_kernel", "gemv_swiglu_kernel",
-                "gemv_partial_kernel", "gemv_reduce_kernel", "gemm_kernel", "gemm_swiglu_kernel",
-                "prefill_attention_kernel", "decode_split_kernel", "decode_combine_kernel",
-                "argmax_partial_kernel", "argmax_final_kernel", "sample_kernel"}
+    expected = {
+        "embedding_kernel",
+        "rms_norm_kernel",
+        "add_rms_norm_kernel",
+        "qk_norm_rope_kv_kernel",
+        "gemv_kernel",
+        "gemv_swiglu_kernel",
+        "gemv_partial_kernel",
+        "gemv_reduce_kernel",
+        "gemm_kernel",
+        "gemm_swiglu_kernel",
+        "prefill_attention_kernel",
+        "decode_split_kernel",
+        "decode_combine_kernel",
+        "argmax_partial_kernel",
+        "argmax_final_kernel",
+        "sample_kernel",
+    }
     assert expected <= {v.name for v in found}, f"missing: {expected - {v.name for v in found}}"
 
 
@@ -51,8 +64,10 @@ def test_every_variant_compiles_for_sm90():
     t0 = time.perf_counter()
     recs = aot.compile_calls("cutile", aot.model_calls, (shaped_models(),), "sm_90", jobs)
     slowest = sorted(recs, key=lambda r: -r["seconds"])[:3]
-    print(f"\n{len(recs)} variants compiled in {time.perf_counter() - t0:.1f} s with {jobs} processes; slowest: "
-          + ", ".join(f"{r['kernel']}{r['variant']} {r['seconds']:.1f}s" for r in slowest))
+    print(
+        f"\n{len(recs)} variants compiled in {time.perf_counter() - t0:.1f} s with {jobs} processes; slowest: "
+        + ", ".join(f"{r['kernel']}{r['variant']} {r['seconds']:.1f}s" for r in slowest)
+    )
     failures = [f"{r['kernel']}{r['variant']}:\n{r['error']}" for r in recs if r["error"]]
     assert not failures, "\n\n".join(failures)
     assert all(r["cubin_bytes"] > 0 for r in recs)

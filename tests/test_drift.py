@@ -3,16 +3,26 @@
 import pytest
 import torch
 
-from tileinfer.jobs import drift
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import NonFiniteLogits
-from tileinfer.models import Transformer
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.jobs import drift
+from tileinfer.models import Transformer
 
-TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e4,
-            max_position_embeddings=256, tie_word_embeddings=True)
+TINY = dict(
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+)
 
 
 def runner(poison_layer: int | None = None) -> ModelRunner:

@@ -5,18 +5,17 @@ import sys
 
 import polars as pl
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from evals.base_logits import TopKLogits
 from tests import faults
-from tileinfer.jobs import drift
 from tileinfer import gate
-from tileinfer.jobs.schema import GateSettings
-from tileinfer.core.errors import UserError
 from tileinfer.core.checkpoint import load_checkpoint
-from tileinfer.models import Transformer
+from tileinfer.core.errors import UserError
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.jobs import drift
+from tileinfer.jobs.schema import GateSettings
+from tileinfer.models import Transformer
 
 GATE = OmegaConf.load("conf/gate.yaml").gate
 STORED = "evals/base_logits/smollm2-135m/reference-bf16-nosmooth-{}0-ctx1024-n128.topk"
@@ -52,8 +51,10 @@ def stored():
 def int8_kv_refs(smollm2, stored):
     """Live references of the INT8-KV configuration on the stored streams (the scale fault needs them)."""
     runner = ModelRunner(smollm2, kv_int8=True, max_seq_len=1152)
-    return {s: drift.full_logits(runner, drift.Stream(tuple(int(t) for t in r.tokens), r.prompt_len))
-            for s, r in stored.items()}
+    return {
+        s: drift.full_logits(runner, drift.Stream(tuple(int(t) for t in r.tokens), r.prompt_len))
+        for s, r in stored.items()
+    }
 
 
 def test_reference_backend_passes_against_its_stored_reference(smollm2, stored):
@@ -76,11 +77,32 @@ def test_wrong_kv_scale_on_one_head_fails_the_gate(smollm2, int8_kv_refs):
 
 
 def row(**kw):
-    base = dict(model="m", model_sha256="s", quant="int8_both", weights="int8", kv_cache="int8", smooth_keys=True,
-                smooth_alpha=0.5, calibration_tokens=2048, dtype="bfloat16", backend="reference", spec="none",
-                ctx="1k", ctx_tokens=1024, prompt_set="edit", n_score=128, base="stored:reference/bf16-nosmooth",
-                top_k=64, page_size=64, prefill_chunk=512, n_scored=128, kl_mean=3.8e-3, kl_p999=3.7e-2,
-                top1_agree=0.97, kernel=False)
+    base = dict(
+        model="m",
+        model_sha256="s",
+        quant="int8_both",
+        weights="int8",
+        kv_cache="int8",
+        smooth_keys=True,
+        smooth_alpha=0.5,
+        calibration_tokens=2048,
+        dtype="bfloat16",
+        backend="reference",
+        spec="none",
+        ctx="1k",
+        ctx_tokens=1024,
+        prompt_set="edit",
+        n_score=128,
+        base="stored:reference/bf16-nosmooth",
+        top_k=64,
+        page_size=64,
+        prefill_chunk=512,
+        n_scored=128,
+        kl_mean=3.8e-3,
+        kl_p999=3.7e-2,
+        top1_agree=0.97,
+        kernel=False,
+    )
     return base | kw
 
 
@@ -97,8 +119,17 @@ def test_baseline_checks_and_verdict_table():
 
 
 def run_gate(*args):
-    cmd = [sys.executable, "-m", "tileinfer.gate", "model=smollm2-135m", "ctx=1k", "eval.n_score=128",
-           "base.source=stored", "speed.decode_tokens=4", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tileinfer.gate",
+        "model=smollm2-135m",
+        "ctx=1k",
+        "eval.n_score=128",
+        "base.source=stored",
+        "speed.decode_tokens=4",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
 
 
@@ -117,9 +148,18 @@ def test_cli_exit_codes(tmp_path, smollm2_gguf):
     assert bad_bound.returncode == 2 and "Traceback" not in bad_bound.stderr, bad_bound.stderr
 
 
-@pytest.mark.parametrize("key,value", [("bounds.bfloat16.kl_mean", "abc"), ("bounds.float32.top1_agree", 2),
-                                       ("max_increase", "abc"), ("max_top1_drop", -0.1), ("floor", None),
-                                       ("floor.kl_p999", "x"), ("bounds", {})])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("bounds.bfloat16.kl_mean", "abc"),
+        ("bounds.float32.top1_agree", 2),
+        ("max_increase", "abc"),
+        ("max_top1_drop", -0.1),
+        ("floor", None),
+        ("floor.kl_p999", "x"),
+        ("bounds", {}),
+    ],
+)
 def test_bad_gate_settings_are_usage_errors(key, value):
     g = OmegaConf.load("conf/gate.yaml").gate
     OmegaConf.update(g, key, value, force_add=True, merge=False)

@@ -44,9 +44,20 @@ def test_state_dict_equals_transformers(fixture, request):
     for name, tensor in ref.items():
         assert sd[name].dtype == torch.float32 and sd[name].shape == tensor.shape, name
         assert torch.equal(sd[name], tensor), name
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-                "bos_token_id", "eos_token_id", "model_type"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "model_type",
+    ):
         assert cfg[key] == getattr(ref_cfg, key), key
     assert cfg["rope_theta"] == ref_cfg.rope_parameters["rope_theta"]
     mc = ModelConfig.from_hf(cfg)
@@ -141,12 +152,18 @@ def test_unsupported_architecture_and_tensor_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="unsupported architecture 'gpt2'"):
         load_gguf(path, cache=False)
     path = tmp_path / "odd.gguf"
-    _write_gguf(path, "llama", {"token_embd.weight": np.zeros((10, 8), np.float32),
-                                "blk.0.mystery.weight": np.zeros((8,), np.float32)})
+    _write_gguf(
+        path,
+        "llama",
+        {"token_embd.weight": np.zeros((10, 8), np.float32), "blk.0.mystery.weight": np.zeros((8,), np.float32)},
+    )
     with pytest.raises(UserError, match="unexpected tensor blk.0.mystery.weight"):
         load_gguf(path, cache=False)
     path = tmp_path / "partial.gguf"
-    _write_gguf(path, "llama", {"token_embd.weight": np.zeros((10, 8), np.float32),
-                                "output_norm.weight": np.ones((8,), np.float32)})
+    _write_gguf(
+        path,
+        "llama",
+        {"token_embd.weight": np.zeros((10, 8), np.float32), "output_norm.weight": np.ones((8,), np.float32)},
+    )
     with pytest.raises(UserError, match="lacks .* tensors, e.g. model.layers.0"):
         load_gguf(path, cache=False)

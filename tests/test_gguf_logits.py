@@ -4,14 +4,15 @@ import torch
 import transformers
 
 from tileinfer.core.checkpoint import load_checkpoint
-from tileinfer.models import Transformer
-from tileinfer.engine.runner import ModelRunner
 from tileinfer.core.tokenizer import Tokenizer
+from tileinfer.engine.runner import ModelRunner
+from tileinfer.models import Transformer
 
 
 def test_smollm2_gguf_logits_match_transformers(smollm2_gguf):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
     tok = Tokenizer.load(smollm2_gguf)
     text = tok.apply_chat_template([{"role": "user", "content": "Write a haiku about paged attention."}])
     ids = torch.tensor(tok.encode(text) + tok.encode("Pages of memory"))

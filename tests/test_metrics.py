@@ -6,8 +6,7 @@ import torch
 from scipy.special import rel_entr
 from scipy.stats import entropy
 
-from evals.metrics import (MetricsAccumulator, greedy_agreement_length, percentile,
-                           position_metrics, summarize)
+from evals.metrics import MetricsAccumulator, greedy_agreement_length, percentile, position_metrics, summarize
 
 
 def _logits_from_probs(rows):
@@ -49,8 +48,7 @@ def test_kl_entropy_match_scipy_on_hand_made_distributions(p, q):
 
 def test_hand_made_values_are_the_textbook_ones():
     # KL([.5,.5] || [.25,.75]) = .5 ln 2 + .5 ln(2/3), written out by hand
-    m = position_metrics(_logits_from_probs([[0.5, 0.5]]), _logits_from_probs([[0.25, 0.75]]),
-                         torch.tensor([1]))
+    m = position_metrics(_logits_from_probs([[0.5, 0.5]]), _logits_from_probs([[0.25, 0.75]]), torch.tensor([1]))
     assert m["kl"].item() == pytest.approx(0.5 * np.log(2) + 0.5 * np.log(2 / 3), rel=1e-6)
     assert m["entropy_base"].item() == pytest.approx(np.log(2), rel=1e-6)
     assert m["p_cand"].item() == pytest.approx(0.75, rel=1e-6)
@@ -174,7 +172,7 @@ def test_summarize_matches_numpy():
     assert s["p_base_mean"] == pytest.approx(p[rows, tok].mean(), rel=1e-5)
     assert s["p_cand_mean"] == pytest.approx(q[rows, tok].mean(), rel=1e-5)
     assert s["dp_mean"] == pytest.approx(dp.mean(), rel=1e-4, abs=1e-9)
-    assert s["rms_dp"] == pytest.approx(np.sqrt(np.mean(dp ** 2)), rel=1e-5)
+    assert s["rms_dp"] == pytest.approx(np.sqrt(np.mean(dp**2)), rel=1e-5)
 
 
 def test_accumulator_equals_one_shot_and_numpy_input_works():
@@ -191,16 +189,18 @@ def test_accumulator_equals_one_shot_and_numpy_input_works():
         MetricsAccumulator().summary()
 
 
-@pytest.mark.parametrize("argmax,reply,expected", [
-    ([5, 6, 7], [1, 6, 7], 0),        # first reply token already differs
-    ([5, 6, 9, 8, 0], [5, 6, 7, 8, 4], 2),  # first divergence at 2; later (mis)matches don't count
-    ([5, 6, 7], [5, 6, 7], 3),        # full agreement
-    ([], [], 0),
-])
+@pytest.mark.parametrize(
+    "argmax,reply,expected",
+    [
+        ([5, 6, 7], [1, 6, 7], 0),  # first reply token already differs
+        ([5, 6, 9, 8, 0], [5, 6, 7, 8, 4], 2),  # first divergence at 2; later (mis)matches don't count
+        ([5, 6, 7], [5, 6, 7], 3),  # full agreement
+        ([], [], 0),
+    ],
+)
 def test_greedy_agreement_length(argmax, reply, expected):
     assert greedy_agreement_length(argmax, reply) == expected
-    assert greedy_agreement_length(torch.tensor(argmax, dtype=torch.long),
-                                   np.array(reply, dtype=np.int32)) == expected
+    assert greedy_agreement_length(torch.tensor(argmax, dtype=torch.long), np.array(reply, dtype=np.int32)) == expected
 
 
 def test_greedy_agreement_from_position_metrics():
@@ -208,7 +208,7 @@ def test_greedy_agreement_from_position_metrics():
     ref = torch.randn(6, 50, generator=g)
     cand = ref.clone()
     cand[4, ref[4].argmax()] -= 100.0  # the candidate's greedy choice flips at position 4
-    reply = ref.argmax(-1)              # the reference's greedy reply
+    reply = ref.argmax(-1)  # the reference's greedy reply
     m = position_metrics(ref, cand, reply)
     assert greedy_agreement_length(m["argmax_cand"], reply) == 4
     with pytest.raises(ValueError):

@@ -5,8 +5,8 @@ import torch
 
 from tests.tiny_models import CONFIGS, make_tiny
 from tileinfer.core.checkpoint import load_checkpoint
-from tileinfer.models import Transformer
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.models import Transformer
 
 
 def rel_err(a, b):

@@ -18,13 +18,29 @@ def test_every_conf_group_is_packaged():
 
 def test_installed_copy_composes_its_config_from_another_folder(tmp_path):
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--target", str(site), str(REPO)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(REPO)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     env = dict(os.environ, PYTHONPATH=str(site))
-    where = subprocess.run([sys.executable, "-c", "import tileinfer.conf; print(tileinfer.conf.__file__)"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+    where = subprocess.run(
+        [sys.executable, "-c", "import tileinfer.conf; print(tileinfer.conf.__file__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert where.startswith(str(site))  # the installed copy, not the checkout
-    out = subprocess.run([sys.executable, "-m", "tileinfer.sweep", "--cfg", "job", "quant=int8_kv"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "tileinfer.sweep", "--cfg", "job", "quant=int8_kv"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "kv_cache: int8" in out.stdout and "name: qwen2.5-coder-0.5b" in out.stdout

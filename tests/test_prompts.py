@@ -6,9 +6,16 @@ from pathlib import Path
 import pytest
 
 from evals import prompts
-from evals.prompts import (PROMPT_SETS, base_prompt_ids, build_prompt, build_text_prompt,
-                           calibration_text, load_dataset_prompts, load_text_prompts,
-                           target_source)
+from evals.prompts import (
+    PROMPT_SETS,
+    base_prompt_ids,
+    build_prompt,
+    build_text_prompt,
+    calibration_text,
+    load_dataset_prompts,
+    load_text_prompts,
+    target_source,
+)
 from tileinfer.core.errors import UserError
 
 CTXS = (1024, 8192, 32768)
@@ -24,8 +31,7 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
-        return self.tok.apply_chat_template(messages, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt)
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def decode(self, ids):
         return self.tok.decode(ids)
@@ -53,7 +59,7 @@ def test_exact_length_and_structure(tok, built, prompt_set, ctx):
     assert len(ids) == ctx
     assert all(isinstance(i, int) for i in ids)
     gen_prompt = tok.encode("<|im_start|>assistant\n")
-    assert ids[-len(gen_prompt):] == gen_prompt
+    assert ids[-len(gen_prompt) :] == gen_prompt
     text = tok.decode(ids)
     assert target_source().rstrip("\n") in text
     assert prompts._INSTRUCTIONS[prompt_set] in text
@@ -71,10 +77,10 @@ def test_base_prompt_identical_across_ctx(tok, built):
         pads = []
         for c in CTXS:
             ids = built[s, c]
-            assert ids[:len(head)] == head and ids[len(ids) - len(tail):] == tail
-            pads.append(ids[len(head):len(ids) - len(tail)])
+            assert ids[: len(head)] == head and ids[len(ids) - len(tail) :] == tail
+            pads.append(ids[len(head) : len(ids) - len(tail)])
         # only the amount of padding differs: the shorter padding is a prefix of the longer
-        assert pads[1][:len(pads[0])] == pads[0] and pads[2][:len(pads[1])] == pads[1]
+        assert pads[1][: len(pads[0])] == pads[0] and pads[2][: len(pads[1])] == pads[1]
     assert base_prompt_ids(tok, "edit")[0] == base_prompt_ids(tok, "explain")[0]
     assert base_prompt_ids(tok, "edit")[1] != base_prompt_ids(tok, "explain")[1]
 
@@ -121,14 +127,19 @@ def test_template_must_carry_message_once():
 
 
 def test_text_prompts(tok, tmp_path):
-    text = (tmp_path / "a.txt")
+    text = tmp_path / "a.txt"
     text.write_text("line one\n\nline two\n")
     assert load_text_prompts(text) == ["line one\n\nline two\n"]
 
     jl = tmp_path / "p.jsonl"
     # a raw U+2028 inside a JSON string is valid JSON and must not split the line
-    jl.write_text(json.dumps({"text": "first {x}\u2028more"}, ensure_ascii=False) + "\n\n"
-                  + json.dumps({"prompt": "second", "id": 2}) + "\n", encoding="utf-8")
+    jl.write_text(
+        json.dumps({"text": "first {x}\u2028more"}, ensure_ascii=False)
+        + "\n\n"
+        + json.dumps({"prompt": "second", "id": 2})
+        + "\n",
+        encoding="utf-8",
+    )
     assert load_text_prompts(jl) == ["first {x}\u2028more", "second"]
 
     bad = tmp_path / "bad.jsonl"

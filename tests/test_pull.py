@@ -94,8 +94,9 @@ def test_corrupted_same_size_file_is_detected(tmp_path, smollm2_gguf, monkeypatc
         f.seek(5000)
         f.write(bytes([b[0] ^ 0xFF]))
     os.utime(dest, ns=(0, dest.stat().st_mtime_ns + 10**9))
-    assert not pullmod.is_verified(dest, smollm2_gguf.stat().st_size,
-                                   pullmod.model_entry("smollm2-135m")["source"]["sha256"])
+    assert not pullmod.is_verified(
+        dest, smollm2_gguf.stat().st_size, pullmod.model_entry("smollm2-135m")["source"]["sha256"]
+    )
     assert not dest.exists()  # a bad file is deleted
 
 
@@ -121,14 +122,17 @@ def test_missing_package_is_one_line_user_error(tmp_path, monkeypatch):
 
 def test_hf_source_offline_is_user_error(tmp_path, monkeypatch):
     monkeypatch.setattr(pullmod, "known_models", lambda: ["hfmodel"])
-    monkeypatch.setattr(pullmod, "model_entry", lambda name: {"name": name, "source": {"hf_repo": "org/none", "hf_file": "m.gguf"}})
+    monkeypatch.setattr(
+        pullmod, "model_entry", lambda name: {"name": name, "source": {"hf_repo": "org/none", "hf_file": "m.gguf"}}
+    )
     with pytest.raises(UserError, match="Hugging Face hub"):
         pullmod.pull("hfmodel", home=tmp_path)
 
 
 def _cli(*args, home):
-    return subprocess.run([sys.executable, "-m", "tileinfer.pull", *args, "--home", str(home)],
-                          capture_output=True, text=True, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "tileinfer.pull", *args, "--home", str(home)], capture_output=True, text=True, cwd=REPO
+    )
 
 
 def test_cli_good_name_prints_path(tmp_path, smollm2_gguf):

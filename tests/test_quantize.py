@@ -14,9 +14,9 @@ from tests.tiny_models import make_tiny
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
 from tileinfer.core.kv_cache import PagedKVCache
+from tileinfer.engine.runner import ModelRunner
 from tileinfer.models import Transformer
 from tileinfer.ops import reference
-from tileinfer.engine.runner import ModelRunner
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,10 +70,22 @@ def test_int8_kv_cache_roundtrip():
 def _config(layers, tied=False):
     from tileinfer.core.config import ModelConfig
 
-    return ModelConfig(model_type="llama", vocab_size=8, hidden_size=4, intermediate_size=8,
-                       num_hidden_layers=layers, num_attention_heads=1, num_key_value_heads=1, head_dim=4,
-                       rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=16,
-                       tie_word_embeddings=tied, attention_bias=False, qk_norm=False)
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=8,
+        hidden_size=4,
+        intermediate_size=8,
+        num_hidden_layers=layers,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        max_position_embeddings=16,
+        tie_word_embeddings=tied,
+        attention_bias=False,
+        qk_norm=False,
+    )
 
 
 def logits_of(model, ids, kv_int8=False):
@@ -99,7 +111,9 @@ def test_weight_quantization_covers_linears_and_lm_head(kind, tmp_path):
             assert out[n] is sd[n]
     if c.tie_word_embeddings:
         assert "lm_head.weight" not in sd
-        assert roundtrip_bound_holds(sd["model.embed_tokens.weight"], out["lm_head.weight"], out["lm_head.weight_scale"])
+        assert roundtrip_bound_holds(
+            sd["model.embed_tokens.weight"], out["lm_head.weight"], out["lm_head.weight_scale"]
+        )
     model, ref = (Transformer.from_state_dict(c, x, dtype=torch.float32) for x in (out, sd))
     ids = torch.randint(0, c.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
     got, expected = (logits_of(m, ids) for m in (model, ref))
@@ -132,8 +146,7 @@ def tiny_with_tokenizer(tmp_path_factory):
 
 def cli(*args):
     """Run ``python -m quantize ARGS`` in a subprocess."""
-    return subprocess.run([sys.executable, "-m", "quantize", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True)
+    return subprocess.run([sys.executable, "-m", "quantize", *map(str, args)], cwd=REPO, capture_output=True, text=True)
 
 
 def test_cli_checkpoint_reloads_with_identical_logits(tiny_with_tokenizer, tmp_path):

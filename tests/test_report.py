@@ -16,37 +16,69 @@ from tileinfer.jobs import tables
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CTX = {"1k": 1024, "8k": 8192}
 # (quant, weights, kv_cache, smooth_keys, decode speed factor against bf16, mean KL)
-CONFIGS = [("bf16", "bf16", "bf16", False, 1.0, 0.0),
-           ("int8_weights", "int8", "bf16", False, 1.6, 2e-3),
-           ("int8_kv", "bf16", "int8", True, 1.1, 4e-4),
-           ("int8_kv", "bf16", "int8", False, 1.1, 3e-3),
-           ("int8_both", "int8", "int8", True, 1.8, 2.5e-3)]
+CONFIGS = [
+    ("bf16", "bf16", "bf16", False, 1.0, 0.0),
+    ("int8_weights", "int8", "bf16", False, 1.6, 2e-3),
+    ("int8_kv", "bf16", "int8", True, 1.1, 4e-4),
+    ("int8_kv", "bf16", "int8", False, 1.1, 3e-3),
+    ("int8_both", "int8", "int8", True, 1.8, 2.5e-3),
+]
 N = 96  # scored positions per row
 
 
 def fake_row(quant, weights, kv, smooth, speed, kl, *, ctx, prompt_set, rng, finished="2025-01-01T00:00:00+00:00"):
     """A plausible row as :func:`tables.make_row` writes it, and its per-position arrays."""
     kl_pos = torch.from_numpy(rng.exponential(kl, N) * np.linspace(0.5, 1.5, N)).float() if kl else torch.zeros(N)
-    dp = torch.from_numpy(rng.normal(0, 0.1 * kl ** 0.5, N)).float()
+    dp = torch.from_numpy(rng.normal(0, 0.1 * kl**0.5, N)).float()
     top1 = kl_pos < 4 * kl if kl else torch.ones(N, dtype=torch.bool)
     base_prefill, base_decode = 3000.0 / (1 + CTX[ctx] / 4096), 40.0 * (1 + rng.random() * 0.1)
     kls = kl_pos.double().numpy()
     row = {
-        "model": "smollm2-135m", "model_sha256": "ab" * 32, "quant": quant, "weights": weights,
-        "kv_cache": kv, "smooth_keys": smooth, "smooth_alpha": 0.5 if smooth else None, "ctx": ctx,
-        "ctx_tokens": CTX[ctx], "prompt_set": prompt_set, "n_prompts": 1, "backend": "reference",
-        "spec": "none", "dtype": "bfloat16", "kl_mean": float(kls.mean()), "kl_median": float(np.median(kls)),
-        "kl_p90": float(np.quantile(kls, 0.9)), "kl_p99": float(np.quantile(kls, 0.99)),
-        "kl_p999": float(np.quantile(kls, 0.999)), "kl_max": float(kls.max()), "rkl_mean": float(kls.mean()),
-        "top1_agree": float(top1.float().mean()), "ppl_base": 3.2, "ppl_cand": 3.2 * (1 + kl),
-        "ln_ppl_ratio": float(np.log1p(kl)), "p_base_mean": 0.6, "p_cand_mean": 0.6, "dp_mean": float(dp.mean()),
-        "rms_dp": float(dp.pow(2).mean().sqrt()), "n_positions": N,
-        "greedy_agree_len": float(N if not kl else rng.integers(5, N)), "n_scored": N,
-        "prefill_ms": 100.0, "prefill_tok_s": base_prefill * (0.9 + 0.3 * speed + rng.random() * 0.05),
-        "decode_tok_s": base_decode * speed, "decode_ms_per_tok": 1000 / (base_decode * speed),
-        "weights_bytes": 270_000_000 // (2 if weights == "int8" else 1), "kv_cache_bytes": 1 << 20,
-        "peak_mem_bytes": None, "calibration_tokens": 2048 if smooth else None, "device": "cpu",
-        "torch": torch.__version__, "git_commit": "abc1234", "finished_at": finished, "wall_s": 12.0,
+        "model": "smollm2-135m",
+        "model_sha256": "ab" * 32,
+        "quant": quant,
+        "weights": weights,
+        "kv_cache": kv,
+        "smooth_keys": smooth,
+        "smooth_alpha": 0.5 if smooth else None,
+        "ctx": ctx,
+        "ctx_tokens": CTX[ctx],
+        "prompt_set": prompt_set,
+        "n_prompts": 1,
+        "backend": "reference",
+        "spec": "none",
+        "dtype": "bfloat16",
+        "kl_mean": float(kls.mean()),
+        "kl_median": float(np.median(kls)),
+        "kl_p90": float(np.quantile(kls, 0.9)),
+        "kl_p99": float(np.quantile(kls, 0.99)),
+        "kl_p999": float(np.quantile(kls, 0.999)),
+        "kl_max": float(kls.max()),
+        "rkl_mean": float(kls.mean()),
+        "top1_agree": float(top1.float().mean()),
+        "ppl_base": 3.2,
+        "ppl_cand": 3.2 * (1 + kl),
+        "ln_ppl_ratio": float(np.log1p(kl)),
+        "p_base_mean": 0.6,
+        "p_cand_mean": 0.6,
+        "dp_mean": float(dp.mean()),
+        "rms_dp": float(dp.pow(2).mean().sqrt()),
+        "n_positions": N,
+        "greedy_agree_len": float(N if not kl else rng.integers(5, N)),
+        "n_scored": N,
+        "prefill_ms": 100.0,
+        "prefill_tok_s": base_prefill * (0.9 + 0.3 * speed + rng.random() * 0.05),
+        "decode_tok_s": base_decode * speed,
+        "decode_ms_per_tok": 1000 / (base_decode * speed),
+        "weights_bytes": 270_000_000 // (2 if weights == "int8" else 1),
+        "kv_cache_bytes": 1 << 20,
+        "peak_mem_bytes": None,
+        "calibration_tokens": 2048 if smooth else None,
+        "device": "cpu",
+        "torch": torch.__version__,
+        "git_commit": "abc1234",
+        "finished_at": finished,
+        "wall_s": 12.0,
     }
     return row, {"kl": kl_pos, "top1_agree": top1, "dp": dp}
 
@@ -102,8 +134,13 @@ def test_report_has_a_section_per_group_and_a_table_per_prompt_set(rendered):
     for ctx in CTX:
         for ps in ("edit", "explain"):
             tab = table_of(md, ctx, ps)
-            assert list(tab) == ["bf16", "int8_weights", "int8_kv (smoothed keys)", "int8_kv",
-                                 "int8_both (smoothed keys)"]
+            assert list(tab) == [
+                "bf16",
+                "int8_weights",
+                "int8_kv (smoothed keys)",
+                "int8_kv",
+                "int8_both (smoothed keys)",
+            ]
 
 
 def test_bf16_is_the_unit_and_int8_ratios_come_from_the_rows(rendered):
@@ -116,8 +153,10 @@ def test_bf16_is_the_unit_and_int8_ratios_come_from_the_rows(rendered):
             assert tab["bf16"]["Decode tok/s"].endswith("(1.00×)")
             sel = rows.filter((pl.col("ctx") == ctx) & (pl.col("prompt_set") == ps))
             bf16 = sel.filter(pl.col("quant") == "bf16").row(0, named=True)
-            for quant, smooth, label in [("int8_both", True, "int8_both (smoothed keys)"),
-                                         ("int8_kv", False, "int8_kv")]:
+            for quant, smooth, label in [
+                ("int8_both", True, "int8_both (smoothed keys)"),
+                ("int8_kv", False, "int8_kv"),
+            ]:
                 r = sel.filter((pl.col("quant") == quant) & (pl.col("smooth_keys") == smooth)).row(0, named=True)
                 for col, head in [("decode_tok_s", "Decode tok/s"), ("prefill_tok_s", "Prefill tok/s")]:
                     speed, ratio = re.fullmatch(r"([\d,.]+) \(([\d.]+)×\)", tab[label][head]).groups()
@@ -131,8 +170,18 @@ def test_bf16_is_the_unit_and_int8_ratios_come_from_the_rows(rendered):
 def test_llama_cpp_labels_are_the_column_names(rendered):
     _, _, md = rendered
     header = next(line for line in md.splitlines() if line.startswith("| Config"))
-    for label in ["Mean KLD", "Median KLD", "99.0% KLD", "99.9% KLD", "Maximum KLD", "RMS Δp (%)",
-                  "Same top p (%)", "Mean PPL(base)", "Mean PPL(Q)", "Greedy agree len"]:
+    for label in [
+        "Mean KLD",
+        "Median KLD",
+        "99.0% KLD",
+        "99.9% KLD",
+        "Maximum KLD",
+        "RMS Δp (%)",
+        "Same top p (%)",
+        "Mean PPL(base)",
+        "Mean PPL(Q)",
+        "Greedy agree len",
+    ]:
         assert label in header
 
 
@@ -195,8 +244,13 @@ def test_rows_of_another_scoring_window_get_their_own_section(tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "tileinfer.report", *map(str, args)], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    return subprocess.run(
+        [sys.executable, "-m", "tileinfer.report", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
 
 
 def test_command_line_writes_the_report_and_rejects_an_empty_folder(rendered, tmp_path):

@@ -32,21 +32,31 @@ def test_every_command_composes_a_checked_config():
 @pytest.mark.parametrize("quant", ["bf16", "int8_weights", "int8_kv", "int8_both"])
 def test_quant_files_give_their_precisions(quant):
     q = load(f"quant={quant}").quant
-    assert quant == {("bf16", "bf16"): "bf16", ("int8", "bf16"): "int8_weights", ("bf16", "int8"): "int8_kv",
-                     ("int8", "int8"): "int8_both"}[(q.weights, q.kv_cache)]
+    assert (
+        quant
+        == {
+            ("bf16", "bf16"): "bf16",
+            ("int8", "bf16"): "int8_weights",
+            ("bf16", "int8"): "int8_kv",
+            ("int8", "int8"): "int8_both",
+        }[(q.weights, q.kv_cache)]
+    )
 
 
-@pytest.mark.parametrize("override,message", [
-    ("eval.n_score=0", "eval.n_score=0: must be at least 1"),
-    ("quant.smooth_alpha=1.5", "quant.smooth_alpha=1.5: must be between 0.0 and 1.0"),
-    ("kv.page_size=-64", "kv.page_size=-64: must be at least 1"),
-    ("quant.weights=int4", "quant.weights=int4: expected one of bf16, int8"),
-    ("base.source=nowhere", "base.source=nowhere: expected one of live, stored"),
-    ("base.quant=int8", "base.quant=int8: expected one of bf16, same"),
-    ("device=tpu", "device=tpu: expected one of auto, cpu, cuda"),
-    ("dtype=int8", "dtype=int8: expected one of bfloat16, float16, float32"),
-    ("eval.prompt_sets=[]", "eval.prompt_sets must be a non-empty list"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("eval.n_score=0", "eval.n_score=0: must be at least 1"),
+        ("quant.smooth_alpha=1.5", "quant.smooth_alpha=1.5: must be between 0.0 and 1.0"),
+        ("kv.page_size=-64", "kv.page_size=-64: must be at least 1"),
+        ("quant.weights=int4", "quant.weights=int4: expected one of bf16, int8"),
+        ("base.source=nowhere", "base.source=nowhere: expected one of live, stored"),
+        ("base.quant=int8", "base.quant=int8: expected one of bf16, same"),
+        ("device=tpu", "device=tpu: expected one of auto, cpu, cuda"),
+        ("dtype=int8", "dtype=int8: expected one of bfloat16, float16, float32"),
+        ("eval.prompt_sets=[]", "eval.prompt_sets must be a non-empty list"),
+    ],
+)
 def test_bad_settings_are_refused_with_one_line(override, message):
     with pytest.raises(UserError) as e:
         load(override)
@@ -86,8 +96,14 @@ def test_identity_subsets_are_disjoint_and_the_gate_ignores_only_timing_and_mach
 
 
 def test_old_rows_load_under_the_new_column_names(tmp_path):
-    old = {"model": "m", "quant": "bf16", "reference": "live:reference/bf16-nosmooth", "ppl_ref": 3.0,
-           "p_ref_mean": 0.5, "kl_mean": 0.0}
+    old = {
+        "model": "m",
+        "quant": "bf16",
+        "reference": "live:reference/bf16-nosmooth",
+        "ppl_ref": 3.0,
+        "p_ref_mean": 0.5,
+        "kl_mean": 0.0,
+    }
     tables.atomic_parquet(pl.DataFrame([old]), tmp_path / "rows" / "old.parquet")
     df = tables.collect(tmp_path)
     assert df["base"][0] == old["reference"] and df["ppl_base"][0] == 3.0 and df["p_base_mean"][0] == 0.5

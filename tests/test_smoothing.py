@@ -12,9 +12,9 @@ from quantize.smoothing import K_SMOOTH, key_absmax, key_score_error, smoothing_
 from tests.tiny_models import make_tiny
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
+from tileinfer.engine.runner import ModelRunner
 from tileinfer.models import Transformer
 from tileinfer.ops import reference
-from tileinfer.engine.runner import ModelRunner
 
 KINDS = ("llama", "qwen2", "qwen3")
 OUTLIER = 16.0
@@ -70,7 +70,7 @@ def run(model, ids, kv_int8=False):
     seq = runner.new_sequence()
     logits = runner.step(seq, torch.as_tensor(ids))  # one chunk: one query capture per layer
     pages = seq.block_table_tensor.long()[: -(-len(ids) // 16)]
-    keys = [k[pages].transpose(0, 1).reshape(k.shape[1], -1, k.shape[-1])[:, :len(ids)] for k in runner.kv.k]
+    keys = [k[pages].transpose(0, 1).reshape(k.shape[1], -1, k.shape[-1])[:, : len(ids)] for k in runner.kv.k]
     return logits, queries, keys
 
 
@@ -98,7 +98,7 @@ def test_smoothing_scales_formula():
     absmax = torch.tensor([[1.0, 64.0, 0.0, 4.0, 2.0, 1.0, 0.0, 4.0]])
     s = smoothing_scales(absmax, alpha=0.5)
     # pair maxima [2, 64, 0 -> floor, 4]; alpha 0.5 -> log2 [0.5, 3, tiny, 1], minus their mean, rounded
-    m = torch.tensor([2.0, 64.0, 64.0 * 2.0 ** -20, 4.0])
+    m = torch.tensor([2.0, 64.0, 64.0 * 2.0**-20, 4.0])
     log_s = 0.5 * m.log2()
     expected = torch.exp2(torch.round(log_s - log_s.mean()))
     assert torch.equal(s, torch.cat([expected, expected])[None])
@@ -117,8 +117,9 @@ def test_calibration_records_pre_rope_keys(tiny):
         module.register_forward_hook(lambda mod, inp, out: seen.append(out.detach()))
     with torch.no_grad():
         hf(ids[None])
-    expected = torch.stack([k.reshape(len(ids), config.num_key_value_heads, config.head_dim).abs().amax(0)
-                            for k in seen])
+    expected = torch.stack(
+        [k.reshape(len(ids), config.num_key_value_heads, config.head_dim).abs().amax(0) for k in seen]
+    )
     got = key_absmax(sd, config, ids.tolist(), dtype=torch.float32)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -156,7 +157,9 @@ def test_int8_cache_key_error_reduced(tiny):
     e_plain, e_smooth = key_score_error(plain, ids), key_score_error(smooth, ids)
     assert e_smooth < 0.8 * e_plain
     ref = run(plain, ids)[0]
-    assert (run(smooth, ids, kv_int8=True)[0] - ref).abs().mean() < (run(plain, ids, kv_int8=True)[0] - ref).abs().mean()
+    assert (run(smooth, ids, kv_int8=True)[0] - ref).abs().mean() < (
+        run(plain, ids, kv_int8=True)[0] - ref
+    ).abs().mean()
 
 
 def test_smoothing_commutes_with_int8_weights(tiny):
@@ -166,14 +169,18 @@ def test_smoothing_commutes_with_int8_weights(tiny):
     a, _ = apply(sd, config, QuantScheme("int8", "int8"), tok)
     b, _ = apply(sd, config, QuantScheme("int8", "int8", smooth_keys=False), tok)
     ids = torch.randint(0, config.vocab_size, (80,), generator=torch.Generator().manual_seed(4)).tolist()
-    assert torch.equal(run(Transformer.from_state_dict(config, a), ids)[0],
-                       run(Transformer.from_state_dict(config, b), ids)[0])
+    assert torch.equal(
+        run(Transformer.from_state_dict(config, a), ids)[0], run(Transformer.from_state_dict(config, b), ids)[0]
+    )
 
 
 def test_nothing_folded_without_int8_cache(tiny):
     _, config, sd, _, _ = tiny
-    for spec in (QuantScheme("bf16", "bf16"), QuantScheme("int8", "bf16", smooth_keys=True),
-                 QuantScheme("bf16", "int8", smooth_keys=False)):
+    for spec in (
+        QuantScheme("bf16", "bf16"),
+        QuantScheme("int8", "bf16", smooth_keys=True),
+        QuantScheme("bf16", "int8", smooth_keys=False),
+    ):
         out, info = apply(sd, config, spec, tokenizer=None)
         assert info["key_scales"] is None and info["calibration_tokens"] == 0
         assert not any(name.endswith("k_smooth") for name in out)
@@ -184,9 +191,12 @@ def test_spec_effective_and_errors():
     assert QuantScheme("int8", "bf16", smooth_alpha=0.9).effective() == QuantScheme("int8", "bf16", smooth_keys=False)
     assert QuantScheme("int8", "int8", smooth_alpha=0.9).effective().smooth_alpha == 0.9
     assert QuantScheme("bf16", "bf16").is_unquantized() and not QuantScheme("bf16", "int8").is_unquantized()
-    for bad in (dict(weights="int4", kv_cache="bf16"), dict(weights="int8", kv_cache="fp8"),
-                dict(weights="int8", kv_cache="int8", smooth_alpha=1.5),
-                dict(weights="int8", kv_cache="int8", calibration_tokens=0)):
+    for bad in (
+        dict(weights="int4", kv_cache="bf16"),
+        dict(weights="int8", kv_cache="fp8"),
+        dict(weights="int8", kv_cache="int8", smooth_alpha=1.5),
+        dict(weights="int8", kv_cache="int8", calibration_tokens=0),
+    ):
         with pytest.raises(UserError):
             QuantScheme(**bad)
 
@@ -196,5 +206,9 @@ def test_smoothing_needs_tokenizer_and_calibration_file(tiny, tmp_path):
     with pytest.raises(UserError, match="tokenizer"):
         apply(sd, config, QuantScheme("bf16", "int8"), tokenizer=None)
     with pytest.raises(UserError, match="does not exist"):
-        apply(sd, config, QuantScheme("bf16", "int8", calibration=str(tmp_path / "nope.txt")),
-              ByteTokenizer(config.vocab_size))
+        apply(
+            sd,
+            config,
+            QuantScheme("bf16", "int8", calibration=str(tmp_path / "nope.txt")),
+            ByteTokenizer(config.vocab_size),
+        )

@@ -8,13 +8,26 @@ import pytest
 
 from tileinfer.jobs import tables
 
-SHORT = ["model=smollm2-135m", "ctx=1k", "eval.n_score=24", "speed.decode_tokens=4",
-         "quant.calibration_tokens=256", "kv.prefill_chunk=256"]
+SHORT = [
+    "model=smollm2-135m",
+    "ctx=1k",
+    "eval.n_score=24",
+    "speed.decode_tokens=4",
+    "quant.calibration_tokens=256",
+    "kv.prefill_chunk=256",
+]
 
 
 def sweep(tmp_path, *overrides, multirun=False, check=True):
-    cmd = [sys.executable, "-m", "tileinfer.sweep", *(["-m"] if multirun else []), *SHORT,
-           f"runs_dir={tmp_path}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tileinfer.sweep",
+        *(["-m"] if multirun else []),
+        *SHORT,
+        f"runs_dir={tmp_path}",
+        *overrides,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=900)
 
 
@@ -57,11 +70,14 @@ def test_smoothing_switch_makes_a_separate_row(runs):
     assert sorted(df["smooth_keys"].to_list()) == [False, False, True, True]
 
 
-@pytest.mark.parametrize("override,message", [
-    (["ctx=32k"], "exceeds the context of smollm2-135m"),
-    (["model=no-such-model"], "no-such-model"),
-    (["quant.weights=int4"], "quant.weights=int4: expected one of bf16, int8"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (["ctx=32k"], "exceeds the context of smollm2-135m"),
+        (["model=no-such-model"], "no-such-model"),
+        (["quant.weights=int4"], "quant.weights=int4: expected one of bf16, int8"),
+    ],
+)
 def test_user_errors_are_one_line_and_nonzero(tmp_path, override, message):
     out = sweep(tmp_path, *override, check=False)
     assert out.returncode != 0

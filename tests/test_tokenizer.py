@@ -16,9 +16,13 @@ TEXTS = [
     "1234567890 3.14159 1,000,000 x²+y³ 2024-01-31",
     "   leading and    long     runs\n\n\n\n      of whitespace\t\t\t \r\n end   ",
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-    "text<|endoftext|>more <repo_name>x <tool_call>{\"a\": 1}</tool_call> <|fim_prefix|>",
+    'text<|endoftext|>more <repo_name>x <tool_call>{"a": 1}</tool_call> <|fim_prefix|>',
     "I'm sure they'll say it's fine, don't you think? WE'VE SEEN IT.",
-    "", " ", "\n", "a\u00a0b\u200bc \ufeffd", "e\u0301 vs é, ｆｕｌｌｗｉｄｔｈ ＡＢＣ",
+    "",
+    " ",
+    "\n",
+    "a\u00a0b\u200bc \ufeffd",
+    "e\u0301 vs é, ｆｕｌｌｗｉｄｔｈ ＡＢＣ",
     "x" * 300 + " " * 70 + "y",
 ]
 CHATS = [
@@ -42,7 +46,8 @@ def _llama_cpp_split(ref, path):
     tokenizer.json) isolate every \\p{N} first. We follow llama.cpp, so compare on that split."""
     if gguf_metadata(path)["tokenizer.ggml.pre"] == "smollm":
         ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
     return ref
 
 
@@ -78,7 +83,11 @@ def test_special_ids_and_sizes(pair):
     assert ours.vocab_size == len(md["tokenizer.ggml.tokens"]) == len(ref)
     assert ours.bos_token_id == md["tokenizer.ggml.bos_token_id"] == ref.bos_token_id
     tokens = md["tokenizer.ggml.tokens"]
-    assert ours.eos_token_ids == {md["tokenizer.ggml.eos_token_id"], tokens.index("<|im_end|>"), tokens.index("<|endoftext|>")}
+    assert ours.eos_token_ids == {
+        md["tokenizer.ggml.eos_token_id"],
+        tokens.index("<|im_end|>"),
+        tokens.index("<|endoftext|>"),
+    }
 
 
 def test_chat_template_matches_transformers(pair):
@@ -97,7 +106,9 @@ def test_from_folder_matches_transformers(pair, tmp_path):
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False), repr(text)
         assert ours.decode(ours.encode(text)) == text
     for chat in CHATS:
-        assert ours.apply_chat_template(chat) == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(chat) == ref.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=True
+        )
     assert ours.bos_token_id == ref.bos_token_id and ref.eos_token_id in ours.eos_token_ids
 
 
@@ -112,13 +123,16 @@ def test_template_helpers_match_transformers(smollm2_gguf):
     from transformers import AutoTokenizer
 
     ref = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    template = ("{% for m in messages %}{{ m | tojson }}{% if loop.index > 5 %}{% break %}{% endif %}\n"
-                "{% endfor %}{{ bos_token }}|{{ eos_token }}|{{ tools is none }}|{{ strftime_now('%Y') }}")
+    template = (
+        "{% for m in messages %}{{ m | tojson }}{% if loop.index > 5 %}{% break %}{% endif %}\n"
+        "{% endfor %}{{ bos_token }}|{{ eos_token }}|{{ tools is none }}|{{ strftime_now('%Y') }}"
+    )
     chat = [{"role": "user", "content": "é <b>&</b>", "extra": [1, 2.5, None]}]
     ours = Tokenizer.from_gguf(smollm2_gguf)
     ours.chat_template = template
-    assert ours.apply_chat_template(chat) == ref.apply_chat_template(chat, chat_template=template, tokenize=False,
-                                                                     add_generation_prompt=True)
+    assert ours.apply_chat_template(chat) == ref.apply_chat_template(
+        chat, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_template_errors_are_user_errors(smollm2_gguf):

@@ -24,8 +24,14 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "tileinfer.bench.aot", "--backend", "triton"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-m", "tileinfer.bench.aot", "--backend", "triton"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     assert "kernels compiled for sm_90" in p.stdout
     print(p.stdout.splitlines()[-1], f"({time.perf_counter() - t0:.0f}s)")

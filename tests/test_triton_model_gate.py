@@ -7,23 +7,35 @@ import torch
 from omegaconf import OmegaConf
 
 from quantize import QuantScheme, apply
-from tileinfer.jobs import drift
 from tileinfer import gate
 from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
-from tileinfer.models import Transformer
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.jobs import drift
+from tileinfer.models import Transformer
 
 pytest.importorskip("triton")
 GATE = OmegaConf.load("conf/gate.yaml").gate
-TINY = dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
-            max_position_embeddings=512, tie_word_embeddings=True)
+TINY = dict(
+    model_type="qwen3",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
 
 
-@pytest.mark.parametrize("dtype,quant", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"),
-                                         (torch.bfloat16, "int8_both")])
+@pytest.mark.parametrize(
+    "dtype,quant", [(torch.float32, "bf16"), (torch.bfloat16, "bf16"), (torch.bfloat16, "int8_both")]
+)
 def test_triton_model_passes_the_gate_against_the_reference_backend(dtype, quant):
     int8 = quant == "int8_both"
     ck = Checkpoint(None, ModelConfig.from_hf(TINY), TINY, random_state_dict(TINY, seed=0, dtype=dtype))

@@ -9,22 +9,47 @@ from __future__ import annotations
 import torch
 import transformers
 
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              rms_norm_eps=1e-6, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 CONFIGS = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-              dict(rope_theta=10000.0, head_dim=16)),
-    "llama3-scaled": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                      dict(rope_theta=500000.0, head_dim=16, tie_word_embeddings=True,
-                           rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=10000.0, head_dim=16)),
+    "llama3-scaled": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            rope_theta=500000.0,
+            head_dim=16,
+            tie_word_embeddings=True,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1e6)),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
-              dict(rope_theta=1e6, head_dim=32, num_key_value_heads=1)),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
-                dict(rope_theta=1e6, sliding_window=None, head_dim=16)),
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(rope_theta=1e6, head_dim=32, num_key_value_heads=1),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(rope_theta=1e6, sliding_window=None, head_dim=16),
+    ),
 }
 
 

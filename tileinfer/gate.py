@@ -1,9 +1,9 @@
 """Drift gate: fail a kernel, backend or quantization change that moves the output distribution.
 
-    python -m tileinfer.gate model=smollm2-135m base.source=stored            # engine vs stored BF16 base logits
+    python -m tileinfer.gate model=smollm2-135m base.source=stored     # engine vs stored BF16 logits
     python -m tileinfer.gate backend=triton base.backend=reference base.quant=same
-    python -m tileinfer.gate quant=int8_both                                         # INT8 vs BF16, against the baseline
-    python -m tileinfer.gate quant=int8_both --update-baseline                       # accept the current numbers
+    python -m tileinfer.gate quant=int8_both                            # INT8 vs BF16, against the baseline
+    python -m tileinfer.gate quant=int8_both --update-baseline          # accept the current numbers
 
 The candidate configuration is scored afresh (rows go to a new folder under runs/gate/) against its
 base (see ``BaseSettings`` in tileinfer/jobs/schema.py), then checked:
@@ -31,19 +31,27 @@ import hydra
 import polars as pl
 from omegaconf import DictConfig
 
+from tileinfer.core.errors import NonFiniteLogits, UserError, check_runs_dir, exit_on_user_error
 from tileinfer.jobs import identity, job, schema, tables
 from tileinfer.jobs.schema import Config
-from tileinfer.core.errors import NonFiniteLogits, UserError, check_runs_dir, exit_on_user_error
 
 PASS, FAIL = "PASS", "FAIL"
 _outcome: list[int] = []  # exit code decided by the gate (absent: Hydra or a usage error ended the run)
 
 
-def _verdict(kind: str, prompt_set: str, metric: str, baseline, candidate: float, bound: float,
-             higher_is_better: bool = False) -> dict:
+def _verdict(
+    kind: str, prompt_set: str, metric: str, baseline, candidate: float, bound: float, higher_is_better: bool = False
+) -> dict:
     ok = candidate >= bound if higher_is_better else candidate <= bound
-    return dict(check=kind, prompt_set=prompt_set, metric=metric, baseline=baseline, candidate=candidate,
-                bound=bound, verdict=PASS if ok else FAIL)
+    return dict(
+        check=kind,
+        prompt_set=prompt_set,
+        metric=metric,
+        baseline=baseline,
+        candidate=candidate,
+        bound=bound,
+        verdict=PASS if ok else FAIL,
+    )
 
 
 def bounds_for(row: dict, gate) -> dict:
@@ -58,21 +66,43 @@ def bounds_for(row: dict, gate) -> dict:
 def kernel_checks(row: dict, gate) -> list[dict]:
     """Candidate vs a base with the same quant config: mean KL, 99.9% KL, top-1 agreement."""
     b, ps = bounds_for(row, gate), row["prompt_set"]
-    return [_verdict("kernel", ps, "kl_mean", None, row["kl_mean"], b["kl_mean"]),
-            _verdict("kernel", ps, "kl_p999", None, row["kl_p999"], b["kl_p999"]),
-            _verdict("kernel", ps, "top1_agree", None, row["top1_agree"], b["top1_agree"], higher_is_better=True)]
+    return [
+        _verdict("kernel", ps, "kl_mean", None, row["kl_mean"], b["kl_mean"]),
+        _verdict("kernel", ps, "kl_p999", None, row["kl_p999"], b["kl_p999"]),
+        _verdict("kernel", ps, "top1_agree", None, row["top1_agree"], b["top1_agree"], higher_is_better=True),
+    ]
 
 
 def baseline_checks(row: dict, base: dict | None, gate) -> list[dict]:
     """Candidate vs the baseline row of the same configuration (None: a FAIL, "row present")."""
     ps = row["prompt_set"]
     if base is None:
-        return [dict(check="baseline", prompt_set=ps, metric="row present", baseline=None, candidate=None,
-                     bound=None, verdict=FAIL)]
-    out = [_verdict("baseline", ps, m, base[m], row[m], base[m] * (1 + gate["max_increase"]) + gate["floor"][m])
-           for m in ("kl_mean", "kl_p999")]
-    out.append(_verdict("baseline", ps, "top1_agree", base["top1_agree"], row["top1_agree"],
-                        base["top1_agree"] - gate["max_top1_drop"], higher_is_better=True))
+        return [
+            dict(
+                check="baseline",
+                prompt_set=ps,
+                metric="row present",
+                baseline=None,
+                candidate=None,
+                bound=None,
+                verdict=FAIL,
+            )
+        ]
+    out = [
+        _verdict("baseline", ps, m, base[m], row[m], base[m] * (1 + gate["max_increase"]) + gate["floor"][m])
+        for m in ("kl_mean", "kl_p999")
+    ]
+    out.append(
+        _verdict(
+            "baseline",
+            ps,
+            "top1_agree",
+            base["top1_agree"],
+            row["top1_agree"],
+            base["top1_agree"] - gate["max_top1_drop"],
+            higher_is_better=True,
+        )
+    )
     return out
 
 
@@ -104,9 +134,18 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
             match = baseline.filter(_same_config(r))
             base = match.row(0, named=True) if len(match) else None
         out += baseline_checks(r, base, gate)
-    return pl.DataFrame(out, schema={"check": pl.String, "prompt_set": pl.String, "metric": pl.String,
-                                     "baseline": pl.Float64, "candidate": pl.Float64, "bound": pl.Float64,
-                                     "verdict": pl.String})
+    return pl.DataFrame(
+        out,
+        schema={
+            "check": pl.String,
+            "prompt_set": pl.String,
+            "metric": pl.String,
+            "baseline": pl.Float64,
+            "candidate": pl.Float64,
+            "bound": pl.Float64,
+            "verdict": pl.String,
+        },
+    )
 
 
 def update_baseline(path: Path, candidate: pl.DataFrame) -> None:
@@ -124,8 +163,14 @@ def update_baseline(path: Path, candidate: pl.DataFrame) -> None:
 
 
 def print_verdicts(v: pl.DataFrame) -> None:
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True, fmt_float="mixed",
-                   tbl_hide_column_data_types=True, tbl_width_chars=200):
+    with pl.Config(
+        tbl_rows=-1,
+        tbl_cols=-1,
+        tbl_hide_dataframe_shape=True,
+        fmt_float="mixed",
+        tbl_hide_column_data_types=True,
+        tbl_width_chars=200,
+    ):
         print(v)
 
 
@@ -141,15 +186,19 @@ def read_baseline(cfg: Config, kernel: bool) -> pl.DataFrame | None:
         if cfg.gate.update_baseline:
             raise UserError("--update-baseline needs a baseline file, but gate.baseline=null")
         if not kernel:
-            raise UserError("gate.baseline=null leaves only the kernel checks, which compare a candidate "
-                            "with a base of the same quant config: add base.quant=same")
+            raise UserError(
+                "gate.baseline=null leaves only the kernel checks, which compare a candidate "
+                "with a base of the same quant config: add base.quant=same"
+            )
         return None
     path = Path(cfg.gate.baseline)
     if not path.exists():
         if cfg.gate.update_baseline:
             return None
-        raise UserError(f"no baseline table {path}: record one with --update-baseline, "
-                        "or check kernels only with gate.baseline=null")
+        raise UserError(
+            f"no baseline table {path}: record one with --update-baseline, "
+            "or check kernels only with gate.baseline=null"
+        )
     try:
         table = tables.upgrade(pl.read_parquet(path))
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
@@ -160,8 +209,9 @@ def read_baseline(cfg: Config, kernel: bool) -> pl.DataFrame | None:
         return None
     missing = [k for k in identity.DRIFT if k not in table.columns]
     if missing:
-        raise UserError(f"baseline {path} predates the {', '.join(missing)} column(s): record it again with "
-                        "--update-baseline")
+        raise UserError(
+            f"baseline {path} predates the {', '.join(missing)} column(s): record it again with --update-baseline"
+        )
     return table
 
 
@@ -171,7 +221,8 @@ def run_gate(cfg: Config) -> int:
     baseline = read_baseline(cfg, kernel=j.scheme == j.base_scheme)  # usage errors before minutes of scoring
     paths = job.run(cfg, force=True)  # a gate judges the code as it is now, never earlier rows
     cand = pl.concat([pl.read_parquet(p) for p in paths], how="diagonal_relaxed").with_columns(
-        kernel=pl.lit(j.scheme == j.base_scheme))
+        kernel=pl.lit(j.scheme == j.base_scheme)
+    )
     if cfg.gate.baseline is None:  # kernel checks only, e.g. a new backend before any baseline exists
         verdicts = evaluate(cand.filter(pl.col("kernel")), None, asdict(cfg.gate)).filter(pl.col("check") == "kernel")
         print_verdicts(verdicts)
@@ -187,8 +238,10 @@ def run_gate(cfg: Config) -> int:
     if failed.is_empty():
         print(f"gate: PASS ({len(verdicts)} checks)")
         return 0
-    print(f"gate: FAIL ({len(failed)} of {len(verdicts)} checks)"
-          + ("; no baseline row: record one with --update-baseline" if (failed["metric"] == "row present").any() else ""))
+    print(
+        f"gate: FAIL ({len(failed)} of {len(verdicts)} checks)"
+        + ("; no baseline row: record one with --update-baseline" if (failed["metric"] == "row present").any() else "")
+    )
     return 1
 
 

@@ -14,8 +14,10 @@ from tileinfer.core.fetch import known_models, pull
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tileinfer.pull",
-                                     description="Download a model (or check a local path) and print its local path.")
+    parser = argparse.ArgumentParser(
+        prog="python -m tileinfer.pull",
+        description="Download a model (or check a local path) and print its local path.",
+    )
     parser.add_argument("name", help=f"model name ({', '.join(known_models())}) or a local path")
     parser.add_argument("--home", help="cache folder (default $TILEINFER_HOME or ~/.cache/tileinfer)")
     args = parser.parse_args(argv)

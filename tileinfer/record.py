@@ -20,9 +20,9 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from tileinfer.core.errors import check_runs_dir, exit_on_user_error
 from tileinfer.jobs import job, schema, tables
 from tileinfer.jobs.schema import Config
-from tileinfer.core.errors import check_runs_dir, exit_on_user_error
 
 
 def record(cfg: Config) -> list:
@@ -31,11 +31,19 @@ def record(cfg: Config) -> list:
     j = job.resolve(cfg)
     runner, _ = j.runner(cfg.backend.name, j.scheme)
     manifest = {
-        "model": cfg.model.name, "model_sha256": j.loaded.model_id, "backend": cfg.backend.name,
-        "quant": job.quant_label(cfg.quant.name, j.scheme), "quant_scheme": repr(j.scheme), "dtype": cfg.dtype,
-        "device": tables.device_name(j.loaded.device), "git_commit": tables.git_commit(),
-        "torch": torch.__version__, "python": platform.python_version(), "ctx_tokens": j.ctx_tokens,
-        "n_score": int(cfg.eval.n_score), "top_k": int(cfg.base.top_k),
+        "model": cfg.model.name,
+        "model_sha256": j.loaded.model_id,
+        "backend": cfg.backend.name,
+        "quant": job.quant_label(cfg.quant.name, j.scheme),
+        "quant_scheme": repr(j.scheme),
+        "dtype": cfg.dtype,
+        "device": tables.device_name(j.loaded.device),
+        "git_commit": tables.git_commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "ctx_tokens": j.ctx_tokens,
+        "n_score": int(cfg.eval.n_score),
+        "top_k": int(cfg.base.top_k),
     }
     paths = []
     for set_name in j.prompts:
@@ -43,8 +51,10 @@ def record(cfg: Config) -> list:
             path = j.stored_base_path(set_name, i)
             logits.to_topk(cfg.base.top_k, manifest | {"prompt_set": set_name}).save(path)
             paths.append(path)
-            print(f"wrote {path} ({len(logits.tokens) - logits.prompt_len} scored positions, "
-                  f"{path.stat().st_size / 1024:.0f} KiB)")
+            print(
+                f"wrote {path} ({len(logits.tokens) - logits.prompt_len} scored positions, "
+                f"{path.stat().st_size / 1024:.0f} KiB)"
+            )
     return paths
 
 

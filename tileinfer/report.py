@@ -33,16 +33,20 @@ import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
 from evals.metrics import LLAMA_CPP_LABELS  # noqa: E402
-from tileinfer.jobs import identity, tables  # noqa: E402
 from tileinfer.core.errors import UserError, exit_on_user_error  # noqa: E402
+from tileinfer.jobs import identity, tables  # noqa: E402
 
 GROUP = ["model", "ctx", "backend"]  # one report section each...
 CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # ...with one table row each (per prompt set)...
 # ...and one section per setup: rows that differ in any other identity column (tileinfer.jobs.identity:
 # scoring window, base, runner settings, timing, machine) are not comparable; the columns that vary
 # are named in the section title. Left out: columns the ones above determine.
-SETUP = [c for c in identity.IDENTITY if c not in (*GROUP, *CONFIG, "prompt_set", "model_sha256", "weights",
-                                                    "kv_cache", "calibration_tokens", "ctx_tokens")]
+SETUP = [
+    c
+    for c in identity.IDENTITY
+    if c
+    not in (*GROUP, *CONFIG, "prompt_set", "model_sha256", "weights", "kv_cache", "calibration_tokens", "ctx_tokens")
+]
 QUANT_ORDER = ["bf16", "int8_weights", "int8_kv", "int8_both"]
 
 
@@ -97,8 +101,19 @@ def latest_rows(df: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     newest = df.unique(subset=key, keep="last", maintain_order=True)
     order = pl.col("quant").replace_strict(QUANT_ORDER, list(range(len(QUANT_ORDER))), default=len(QUANT_ORDER))
     ctx_size = [pl.col("ctx_tokens").min().over("model", "ctx")] if "ctx_tokens" in df.columns else []
-    newest = newest.sort(["model", *ctx_size, "ctx", "backend", "prompt_set", order, "quant",
-                          pl.col("smooth_keys").not_(), "smooth_alpha"])
+    newest = newest.sort(
+        [
+            "model",
+            *ctx_size,
+            "ctx",
+            "backend",
+            "prompt_set",
+            order,
+            "quant",
+            pl.col("smooth_keys").not_(),
+            "smooth_alpha",
+        ]
+    )
     # Name α only when smoothed rows with several α are present.
     show_alpha = newest.filter(pl.col("smooth_keys"))["smooth_alpha"].n_unique() > 1
     labels = [config_label(q, s, a, show_alpha) for q, s, a in newest.select(CONFIG).iter_rows()]
@@ -149,22 +164,34 @@ def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
     if not ref:
         notes.append("no BF16 row here, so speeds are shown without ratios.")
     est = "kl_estimate" in rows.columns and rows["kl_estimate"].drop_nulls().ne("exact").any()
-    head = (["Config"] + [h for _, h, *_ in DRIFT_COLUMNS] + ["Greedy agree len (tokens)", "Prefill tok/s",
-            "Decode tok/s"] + (["KL estimate"] if est else []))
+    head = (
+        ["Config"]
+        + [h for _, h, *_ in DRIFT_COLUMNS]
+        + ["Greedy agree len (tokens)", "Prefill tok/s", "Decode tok/s"]
+        + (["KL estimate"] if est else [])
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows.iter_rows(named=True):
         per_prompt = r["n_scored"] / max(r.get("n_prompts") or 1, 1) if r.get("n_scored") else None
         greedy = _fmt(r.get("greedy_agree_len"), "{:.4g}") + (f" of {per_prompt:.0f}" if per_prompt else "")
-        cells = ([r["config"]] + [_fmt(r.get(c), f, *s) for c, _, f, *s in DRIFT_COLUMNS] + [greedy,
-                 _speed(r.get("prefill_tok_s"), ref.get("prefill_tok_s")),
-                 _speed(r.get("decode_tok_s"), ref.get("decode_tok_s"))]
-                 + ([r.get("kl_estimate") or "–"] if est else []))
+        cells = (
+            [r["config"]]
+            + [_fmt(r.get(c), f, *s) for c, _, f, *s in DRIFT_COLUMNS]
+            + [
+                greedy,
+                _speed(r.get("prefill_tok_s"), ref.get("prefill_tok_s")),
+                _speed(r.get("decode_tok_s"), ref.get("decode_tok_s")),
+            ]
+            + ([r.get("kl_estimate") or "–"] if est else [])
+        )
         lines.append("| " + " | ".join(cells) + " |")
     if est:
-        notes.append("some KL values are estimates (see the KL estimate column), not exact sums over the vocabulary: "
-                     "topkK+tail is the KL of the distributions coarsened to the base's top K tokens plus the rest, "
-                     "a lower bound of the exact KL (measured on SmolLM2 INT8 weights: mean KL 9.6% low at K=64, "
-                     "4.8% at K=256; 99.9% KL 2.7% low at K=64; tests/test_base_logits.py).")
+        notes.append(
+            "some KL values are estimates (see the KL estimate column), not exact sums over the vocabulary: "
+            "topkK+tail is the KL of the distributions coarsened to the base's top K tokens plus the rest, "
+            "a lower bound of the exact KL (measured on SmolLM2 INT8 weights: mean KL 9.6% low at K=64, "
+            "4.8% at K=256; 99.9% KL 2.7% low at K=64; tests/test_base_logits.py)."
+        )
     return "\n".join(lines), notes
 
 
@@ -200,8 +227,16 @@ def scatter_plot(group: pl.DataFrame, title: str, colors: dict, path: Path) -> l
         elif kl is None or not kl > 0 or not np.isfinite(kl):
             notes.append(f"{lab} / {r['prompt_set']}: mean KL {kl} cannot be shown on a log axis, not plotted.")
         else:
-            ax.scatter(speed, kl, color=colors[lab], marker=markers[r["prompt_set"]], s=60,
-                       edgecolors="black", linewidths=0.5, zorder=3)
+            ax.scatter(
+                speed,
+                kl,
+                color=colors[lab],
+                marker=markers[r["prompt_set"]],
+                s=60,
+                edgecolors="black",
+                linewidths=0.5,
+                zorder=3,
+            )
     # Legend: one entry per configuration (color) and per prompt set (shape).
     for lab in dict.fromkeys(group.filter(pl.col("quant") != "bf16")["config"]):
         ax.scatter([], [], color=colors[lab], marker="s", label=lab)
@@ -258,8 +293,9 @@ def position_plot(rows: pl.DataFrame, title: str, colors: dict, path: Path) -> t
     ax.set_xlabel("position in the scored window (tokens after the prompt)")
     ax.set_ylabel("KL(BF16 ‖ config) (nats, log scale)")
     zero = "; bf16 is 0 everywhere, not drawn" if len(rows.filter(~drawn)) else ""
-    ax.set_title(f"KL along the scored window — {title}\n(bold: rolling mean over {window} positions{zero})",
-                 fontsize=10)
+    ax.set_title(
+        f"KL along the scored window — {title}\n(bold: rolling mean over {window} positions{zero})", fontsize=10
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
     if rows["n_prompts"].max() > 1:
@@ -280,32 +316,49 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
     rows, dropped = latest_rows(df)
     several_backends = rows["backend"].n_unique() > 1
 
-    md = [f"# tileinfer report: {runs_dir}", "",
-          f"{len(rows)} result rows, generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. "
-          "All rows: [summary.md](summary.md) / `summary.parquet`.", "",
-          "Drift statistics are those of llama.cpp's `perplexity --kl-divergence`, under its names: "
-          "KL(BF16 ‖ config) in nats over the scored positions (the BF16 model's greedy reply after a prompt of ctx tokens), "
-          "RMS Δp and Same top p in percent. Greedy agree len is how many leading reply tokens the "
-          "configuration reproduces greedily (mean over prompts, of the window length). "
-          "**Prompt sets are not averaged together**: each gets its own table, every number is exactly "
-          "the sweep's row. Speeds are tokens/s with the ratio to the BF16 row of the same table in "
-          "parentheses (above 1.00× is faster)."]
+    md = [
+        f"# tileinfer report: {runs_dir}",
+        "",
+        f"{len(rows)} result rows, generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. "
+        "All rows: [summary.md](summary.md) / `summary.parquet`.",
+        "",
+        "Drift statistics are those of llama.cpp's `perplexity --kl-divergence`, under its names: "
+        "KL(BF16 ‖ config) in nats over the scored positions (the BF16 model's greedy reply after a prompt "
+        "of ctx tokens), "
+        "RMS Δp and Same top p in percent. Greedy agree len is how many leading reply tokens the "
+        "configuration reproduces greedily (mean over prompts, of the window length). "
+        "**Prompt sets are not averaged together**: each gets its own table, every number is exactly "
+        "the sweep's row. Speeds are tokens/s with the ratio to the BF16 row of the same table in "
+        "parentheses (above 1.00× is faster).",
+    ]
     if dropped:
         md += ["", f"Note: {dropped} older row(s) of a configuration that has a newer row were left out."]
     varying = [c for c in SETUP if rows[c].n_unique() > 1]
     for key, group in rows.group_by([*GROUP, *varying], maintain_order=True):
         model, ctx, backend, *setup = key
-        title = (f"{model}, ctx {ctx}" + (f", backend {backend}" if several_backends else "")
-                 + "".join(f", {c} {_or_unknown(v)}" for c, v in zip(varying, setup)))
+        title = (
+            f"{model}, ctx {ctx}"
+            + (f", backend {backend}" if several_backends else "")
+            + "".join(f", {c} {_or_unknown(v)}" for c, v in zip(varying, setup))
+        )
         slug = [model, ctx, backend, *map(_or_unknown, setup)]
-        md += ["", f"## {title}", "", f"Model `{model}`, ctx {ctx} ({_values(group, 'ctx_tokens')} prompt "
-               f"tokens), backend `{backend}`, device {_values(group, 'device')}."]
+        md += [
+            "",
+            f"## {title}",
+            "",
+            f"Model `{model}`, ctx {ctx} ({_values(group, 'ctx_tokens')} prompt "
+            f"tokens), backend `{backend}`, device {_values(group, 'device')}.",
+        ]
         colors = _colors(group)
         for (prompt_set,), rs in group.group_by("prompt_set", maintain_order=True):
             table, notes = markdown_table(rs)
             n = rs["n_scored"].max()
-            md += ["", f"### Prompt set `{prompt_set}` ({rs['n_prompts'].max()} prompt(s), {n} scored positions)",
-                   "", table]
+            md += [
+                "",
+                f"### Prompt set `{prompt_set}` ({rs['n_prompts'].max()} prompt(s), {n} scored positions)",
+                "",
+                table,
+            ]
             md += [f"\nNote: {t}" for t in notes]
         scatter = out_dir / f"scatter-{_slug(*slug)}.png"
         notes = scatter_plot(group, title, colors, scatter)

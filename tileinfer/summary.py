@@ -1,6 +1,6 @@
 """Gather every result row under a runs folder into one table: printed, and saved beside it.
 
-    python -m tileinfer.summary runs/        # writes runs/summary.parquet and runs/summary.md
+python -m tileinfer.summary runs/        # writes runs/summary.parquet and runs/summary.md
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tileinfer.jobs import tables
 from tileinfer.core.errors import UserError, exit_on_user_error
+from tileinfer.jobs import tables
 
 
 def main(argv=None) -> None:

@@ -22,8 +22,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from tileinfer.jobs import job, schema, tables
 from tileinfer.core.errors import check_runs_dir, exit_on_user_error
+from tileinfer.jobs import job, schema, tables
 
 ROWS_LIST = "rows.json"  # in each job's Hydra output folder: the row files the job produced
 

@@ -10,14 +10,14 @@ import torch
 from omegaconf import OmegaConf
 
 from quantize import QuantScheme, apply
-from tileinfer.jobs import drift
 from tileinfer import gate
 from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.registry import model_entry
-from tileinfer.models import Transformer
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.jobs import drift
+from tileinfer.models import Transformer
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -62,9 +62,9 @@ def test_decode_replayed_from_cuda_graph_equals_eager_decode(checkpoint, backend
         assert runner.cuda_graph == graph
         sa, sb = runner.new_sequence(), runner.new_sequence()
         runner.prefill(sa, a[:100])
-        out = [runner.decode(sa, t) for t in a[100:140]]      # positions 100..139 cross a page end
+        out = [runner.decode(sa, t) for t in a[100:140]]  # positions 100..139 cross a page end
         runner.prefill(sb, b[:50])
-        out += [runner.decode(sb, t) for t in b[50:90]]       # another block table, same graph
+        out += [runner.decode(sb, t) for t in b[50:90]]  # another block table, same graph
         out += [runner.decode(sa, t) for t in a[140:150]]
         logits[graph] = torch.stack(out)
     err = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()

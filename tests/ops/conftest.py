@@ -54,8 +54,10 @@ class Target:
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "cases(argnames, small=(), model=(), targets=TARGETS): the test's cases per target tier "
-        "(tests/ops/conftest.py)")
+        "markers",
+        "cases(argnames, small=(), model=(), targets=TARGETS): the test's cases per target tier "
+        "(tests/ops/conftest.py)",
+    )
 
 
 def pytest_generate_tests(metafunc):
@@ -79,8 +81,14 @@ def pytest_generate_tests(metafunc):
                 values = case if isinstance(case, tuple) else (case,)
                 case_id = "-".join(map(str, values))
             assert len(values) == len(names), (metafunc.function.__name__, values, names)
-            params.append(pytest.param(t, *values, id="-".join(filter(None, [t, case_id])),
-                                       marks=[pytest.mark.gpu] if t in GPU_TARGETS else []))
+            params.append(
+                pytest.param(
+                    t,
+                    *values,
+                    id="-".join(filter(None, [t, case_id])),
+                    marks=[pytest.mark.gpu] if t in GPU_TARGETS else [],
+                )
+            )
     metafunc.parametrize(["target", *names], params, indirect=["target"])
 
 

@@ -22,24 +22,46 @@ from tileinfer.ops import reference as R
 CACHES = ("bf16cache", "int8cache")
 
 SMALL = [  # (T, start, kv_heads, group, head_dim, page): decode, verify, prefill chunks
-    (1, 0, 2, 4, 32, 16), (1, 37, 1, 8, 32, 16), (1, 100, 3, 2, 64, 16),
-    (5, 60, 1, 3, 64, 16), (16, 9, 2, 2, 32, 8),
-    (40, 23, 2, 2, 32, 16), (70, 0, 1, 8, 16, 32), (33, 50, 4, 1, 32, 16),
+    (1, 0, 2, 4, 32, 16),
+    (1, 37, 1, 8, 32, 16),
+    (1, 100, 3, 2, 64, 16),
+    (5, 60, 1, 3, 64, 16),
+    (16, 9, 2, 2, 32, 8),
+    (40, 23, 2, 2, 32, 16),
+    (70, 0, 1, 8, 16, 32),
+    (33, 50, 4, 1, 32, 16),
 ]
 # (T, start) on the GPU: decode and verify steps at short to 12k contexts, prefill chunks
-MODEL_STEPS = [(1, 0), (1, 36), (1, 777), (1, 8191), (5, 995), (7, 100), (16, 114), (16, 5000),
-               (64, 12345), (300, 0), (300, 700), (512, 3000)]
+MODEL_STEPS = [
+    (1, 0),
+    (1, 36),
+    (1, 777),
+    (1, 8191),
+    (5, 995),
+    (7, 100),
+    (16, 114),
+    (16, 5000),
+    (64, 12345),
+    (300, 0),
+    (300, 700),
+    (512, 3000),
+]
 # and up to 32k positions for a few shapes (GQA ratios 4, 7 and 8; head_dim 128 and 64)
 LONG_SHAPES = ("qwen3-4b-random", "qwen2.5-coder-0.5b", "gqa8-h64")
 LONG_STEPS = [(1, 32767), (16, 32000), (16, 32745), (512, 7680), (512, 32256), (8192, 0)]
-MODEL = [pytest.param("bf16", cache, T, start, kvh, heads // kvh, d, 64, id=f"{name}-{cache}-T{T}-at{start}")
-         for name, (heads, kvh, d) in ATTN_SHAPES.items()
-         for T, start in MODEL_STEPS + (LONG_STEPS if name in LONG_SHAPES else [])
-         for cache in CACHES]
+MODEL = [
+    pytest.param("bf16", cache, T, start, kvh, heads // kvh, d, 64, id=f"{name}-{cache}-T{T}-at{start}")
+    for name, (heads, kvh, d) in ATTN_SHAPES.items()
+    for T, start in MODEL_STEPS + (LONG_STEPS if name in LONG_SHAPES else [])
+    for cache in CACHES
+]
 
 
-@pytest.mark.cases("dt,cache,T,start,kvh,group,d,page",
-                   small=[(dt, cache, *c) for dt in DTYPES for cache in CACHES for c in SMALL], model=MODEL)
+@pytest.mark.cases(
+    "dt,cache,T,start,kvh,group,d,page",
+    small=[(dt, cache, *c) for dt in DTYPES for cache in CACHES for c in SMALL],
+    model=MODEL,
+)
 def test_attention(target, dt, cache, T, start, kvh, group, d, page):
     dt = DTYPES[dt]
     dev = target.device
@@ -50,9 +72,11 @@ def test_attention(target, dt, cache, T, start, kvh, group, d, page):
     close(target.ops.attention(q, layer, bt, pos, d**-0.5), R.attention(q, layer, bt, pos, d**-0.5), TOL[dt])
 
 
-@pytest.mark.cases("dt,L,heads,kvh,d,page,positions,scale",
-                   small=[("f32", 90, 4, 2, 32, 16, (89, 3, 64, 40), 0.2)],
-                   model=[("bf16", 2000, 32, 8, 128, 64, T, 0.1) for T in (5, 40)])
+@pytest.mark.cases(
+    "dt,L,heads,kvh,d,page,positions,scale",
+    small=[("f32", 90, 4, 2, 32, 16, (89, 3, 64, 40), 0.2)],
+    model=[("bf16", 2000, 32, 8, 128, 64, T, 0.1) for T in (5, 40)],
+)
 def test_attention_rows_at_unequal_positions(target, dt, L, heads, kvh, d, page, positions, scale):
     """Rows need not be consecutive (verify steps): each attends up to its own position, read on the
     device. ``positions``: the rows' positions, or how many to draw at random (the first at L - 1)."""
@@ -93,7 +117,7 @@ def test_reference_paged_attention_equals_dense(int8, heads, kv_heads, page):
     R.write_kv(layer, k, v, block_table, torch.arange(L))
     positions = torch.arange(L - T, L)
     q = torch.randn(T, heads, d)
-    got = R.attention(q, layer, block_table, positions, d ** -0.5)
+    got = R.attention(q, layer, block_table, positions, d**-0.5)
     if int8:  # the INT8 path must equal dense attention over the dequantized cache
         kq, ks = R.quantize_int8(k)
         vq, vs = R.quantize_int8(v)

@@ -64,8 +64,10 @@ def test_fallback_is_recorded_and_logged_once_per_entry(caplog, fallback_expecte
         fallback("cutile", "rms_norm", "rows of 9000 > 8192 values")
         fallback("cutile", "rms_norm", "rows of 9000 > 8192 values")
         fallback("cutile", "attention", "page size 8 is not a power of two >= 16")
-    assert fallbacks() == ["cutile.attention: page size 8 is not a power of two >= 16",
-                           "cutile.rms_norm: rows of 9000 > 8192 values"]
+    assert fallbacks() == [
+        "cutile.attention: page size 8 is not a power of two >= 16",
+        "cutile.rms_norm: rows of 9000 > 8192 values",
+    ]
     assert [r.getMessage().count("cutile.rms_norm") for r in caplog.records] == [1, 0]
     reset_fallbacks()
     assert fallbacks() == []
@@ -91,11 +93,13 @@ def _attention(d=32, page=16, pos_dtype=torch.int32, layer=None):
         q = torch.randn(3, 4, d, device=dev)
         pos = torch.tensor([2, 17, 30], dtype=pos_dtype, device=dev)
         return "attention", (q, lay, torch.randperm(4, device=dev).to(torch.int32), pos, d**-0.5)
+
     return make
 
 
 def _rope_kv(d=32, q_norm=(), k_norm=(), pos_dtype=torch.int32):
     """``q_norm``/``k_norm``: weight shapes (``()``: none); a ``"t"`` first marks a transposed one."""
+
     def weight(shape, dev):
         if not shape:
             return None
@@ -108,15 +112,27 @@ def _rope_kv(d=32, q_norm=(), k_norm=(), pos_dtype=torch.int32):
         q, k, v = torch.randn(T, 4, d, device=dev), torch.randn(T, 2, d, device=dev), torch.randn(T, 2, d, device=dev)
         ang = torch.rand(64, d // 2, device=dev)
         pos = torch.tensor([5, 6, 7], dtype=pos_dtype, device=dev)
-        return "qk_norm_rope_kv_write", (q, k, v, weight(q_norm, dev), weight(k_norm, dev), 1e-6, ang.cos(),
-                                         ang.sin(), _pool(3, 16, 2, d, device=dev),
-                                         torch.randperm(3, device=dev).to(torch.int32), pos)
+        return "qk_norm_rope_kv_write", (
+            q,
+            k,
+            v,
+            weight(q_norm, dev),
+            weight(k_norm, dev),
+            1e-6,
+            ang.cos(),
+            ang.sin(),
+            _pool(3, 16, 2, d, device=dev),
+            torch.randperm(3, device=dev).to(torch.int32),
+            pos,
+        )
+
     return make
 
 
 def _matmul(op, x_shape=(3, 64), w_shape=(72, 64), w_t=False, bias_step=0, int8=False, q_cols=None):
     """x [x_shape] @ w.T; ``w_t``: the weight a transposed view; ``bias_step``: a bias of that
     stride; ``q_cols``: an INT8 weight whose rows are the first ``q_cols`` of wider ones."""
+
     def make(dev):
         x = torch.randn(*x_shape, device=dev)
         if int8:
@@ -129,6 +145,7 @@ def _matmul(op, x_shape=(3, 64), w_shape=(72, 64), w_t=False, bias_step=0, int8=
             return op, (x, w)
         bias = torch.randn(w_shape[0] * bias_step, device=dev)[::bias_step] if bias_step else None
         return op, (x, w, bias)
+
     return make
 
 
@@ -141,6 +158,7 @@ def _norm(op, x_shape, w_shape, strided=False):
         if op == "add_rms_norm":
             return op, (x, torch.randn(*x.shape, device=dev), w, 1e-6)
         return op, (x, w, 1e-6)
+
     return make
 
 
@@ -158,10 +176,14 @@ X_3D = "x is 3-D, not [T, in]"
 FALLBACK_CASES = {
     "embedding-strided-table": (_embedding, {"triton": "table rows not contiguous"}),
     "rms_norm-strided-rows": (_norm("rms_norm", (7, 96), (96,), strided=True), {"triton": "rows not contiguous"}),
-    "add_rms_norm-strided-rows": (_norm("add_rms_norm", (7, 96), (96,), strided=True),
-                                  {"triton": "rows not contiguous"}),
-    "rms_norm-broadcast-weight": (_norm("rms_norm", (5, 3, 32), (5, 1, 32)),
-                                  {"cutile": "weight (5, 1, 32) is neither [n] nor [heads, n]"}),
+    "add_rms_norm-strided-rows": (
+        _norm("add_rms_norm", (7, 96), (96,), strided=True),
+        {"triton": "rows not contiguous"},
+    ),
+    "rms_norm-broadcast-weight": (
+        _norm("rms_norm", (5, 3, 32), (5, 1, 32)),
+        {"cutile": "weight (5, 1, 32) is neither [n] nor [heads, n]"},
+    ),
     "rms_norm-wide-rows": (_norm("rms_norm", (2, 8200), (8200,)), {"cutile": "rows of 8200 > 8192 values"}),
     "add_rms_norm-two-row-weight": (_norm("add_rms_norm", (2, 32), (2, 32)), {"cutile": "weight (2, 32) is not [n]"}),
     "add_rms_norm-wide-rows": (_norm("add_rms_norm", (2, 8200), (8200,)), {"cutile": "rows of 8200 > 8192 values"}),
@@ -172,27 +194,48 @@ FALLBACK_CASES = {
     "swiglu-strided-weight": (_matmul("swiglu", w_t=True), {"triton": "weight rows not contiguous"}),
     "lm_head-strided-weight": (_matmul("lm_head", w_t=True), {"triton": "weight rows not contiguous"}),
     "linear-strided-bias": (_matmul("linear", bias_step=2), {"triton": "bias not contiguous"}),
-    "linear-int8-gemv-odd-k": (_matmul("linear", x_shape=(1, 6), w_shape=(8200, 6), int8=True),
-                               {"triton": "INT8 weight not contiguous in whole int32 words"}),
-    "linear-int8-prefill-strided": (_matmul("linear", x_shape=(512, 64), int8=True, q_cols=128),
-                                    {"triton": "INT8 weight not contiguous"}),
+    "linear-int8-gemv-odd-k": (
+        _matmul("linear", x_shape=(1, 6), w_shape=(8200, 6), int8=True),
+        {"triton": "INT8 weight not contiguous in whole int32 words"},
+    ),
+    "linear-int8-prefill-strided": (
+        _matmul("linear", x_shape=(512, 64), int8=True, q_cols=128),
+        {"triton": "INT8 weight not contiguous"},
+    ),
     "rope_kv-head_dim-24": (_rope_kv(d=24), {"triton": HEAD_DIM_24, "cutile": HEAD_DIM_24 + " >= 16"}),
-    "rope_kv-per-token-norm": (_rope_kv(q_norm=(3, 4, 32), k_norm=(3, 2, 32)), {
-        "triton": "q/k norm weights (3, 4, 32) / (3, 2, 32) are not [d] or contiguous [heads, d]",
-        "cutile": "q/k norm weights (3, 4, 32) / (3, 2, 32) are not [d] or [heads, d]"}),
-    "rope_kv-strided-norm": (_rope_kv(q_norm=("t", 4, 32), k_norm=("t", 2, 32)),
-                             {"triton": "q/k norm weights (4, 32) / (2, 32) are not [d] or contiguous [heads, d]"}),
-    "rope_kv-int64-positions": (_rope_kv(pos_dtype=torch.int64),
-                                {"cutile": "positions torch.int64 and block table torch.int32, not both int32"}),
+    "rope_kv-per-token-norm": (
+        _rope_kv(q_norm=(3, 4, 32), k_norm=(3, 2, 32)),
+        {
+            "triton": "q/k norm weights (3, 4, 32) / (3, 2, 32) are not [d] or contiguous [heads, d]",
+            "cutile": "q/k norm weights (3, 4, 32) / (3, 2, 32) are not [d] or [heads, d]",
+        },
+    ),
+    "rope_kv-strided-norm": (
+        _rope_kv(q_norm=("t", 4, 32), k_norm=("t", 2, 32)),
+        {"triton": "q/k norm weights (4, 32) / (2, 32) are not [d] or contiguous [heads, d]"},
+    ),
+    "rope_kv-int64-positions": (
+        _rope_kv(pos_dtype=torch.int64),
+        {"cutile": "positions torch.int64 and block table torch.int32, not both int32"},
+    ),
     "attention-head_dim-24": (_attention(d=24), {"triton": HEAD_DIM_24 + " >= 16", "cutile": HEAD_DIM_24 + " >= 16"}),
-    "attention-head_dim-8": (_attention(d=8), {"triton": "head_dim 8 is not a power of two >= 16",
-                                               "cutile": "head_dim 8 is not a power of two >= 16"}),
+    "attention-head_dim-8": (
+        _attention(d=8),
+        {"triton": "head_dim 8 is not a power of two >= 16", "cutile": "head_dim 8 is not a power of two >= 16"},
+    ),
     "attention-page-8": (_attention(page=8), {"cutile": "page size 8 is not a power of two >= 16"}),
-    "attention-int64-positions": (_attention(pos_dtype=torch.int64),
-                                  {"cutile": "positions torch.int64 and block table torch.int32, not both int32"}),
-    "attention-kv-layouts-differ": (_attention(layer=lambda dev: KVLayer(
-        torch.randn(4, 2, 16, 32, device=dev), torch.randn(4, 16, 2, 32, device=dev).transpose(1, 2))),
-        {"triton": "K and V pages of different layouts"}),
+    "attention-int64-positions": (
+        _attention(pos_dtype=torch.int64),
+        {"cutile": "positions torch.int64 and block table torch.int32, not both int32"},
+    ),
+    "attention-kv-layouts-differ": (
+        _attention(
+            layer=lambda dev: KVLayer(
+                torch.randn(4, 2, 16, 32, device=dev), torch.randn(4, 16, 2, 32, device=dev).transpose(1, 2)
+            )
+        ),
+        {"triton": "K and V pages of different layouts"},
+    ),
     "argmax-strided-rows": (_argmax, {"triton": "logits rows not contiguous"}),
 }
 
@@ -215,14 +258,20 @@ def _equal(a, b) -> bool:
     if isinstance(a, tuple):
         return all(_equal(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, KVLayer):
-        return all(_equal(x, y) for x, y in ((a.k, b.k), (a.v, b.v), (a.k_scale, b.k_scale), (a.v_scale, b.v_scale))
-                   if x is not None)
+        return all(
+            _equal(x, y)
+            for x, y in ((a.k, b.k), (a.v, b.v), (a.k_scale, b.k_scale), (a.v_scale, b.v_scale))
+            if x is not None
+        )
     return a.shape == b.shape and a.dtype == b.dtype and bool(same_bits(a, b).all())
 
 
-@pytest.mark.cases("case", targets=("reference", "triton-interpret", "triton", "cutile"),
-                   small={"reference": list(FALLBACK_CASES), "triton-interpret": _cases("triton")},
-                   model={"triton": _cases("triton"), "cutile": _cases("cutile")})
+@pytest.mark.cases(
+    "case",
+    targets=("reference", "triton-interpret", "triton", "cutile"),
+    small={"reference": list(FALLBACK_CASES), "triton-interpret": _cases("triton")},
+    model={"triton": _cases("triton"), "cutile": _cases("cutile")},
+)
 def test_fallback_returns_the_reference_result_and_records_why(target, case, fallback_expected):
     make, reasons = FALLBACK_CASES[case]
     op, args = make(target.device)

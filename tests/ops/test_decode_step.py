@@ -37,8 +37,9 @@ def test_decode_step_with_sampling_replays_from_a_cuda_graph(target):
 
     def step(ops, lay):
         q, k, v = ops.linear(x, w_qkv).split([H * d, KVH * d, KVH * d], dim=-1)
-        q = ops.qk_norm_rope_kv_write(q.view(1, H, d), k.view(1, KVH, d), v.view(1, KVH, d), norm, norm, 1e-6,
-                                      cos, sin, lay, bt, pos)
+        q = ops.qk_norm_rope_kv_write(
+            q.view(1, H, d), k.view(1, KVH, d), v.view(1, KVH, d), norm, norm, 1e-6, cos, sin, lay, bt, pos
+        )
         o = ops.linear(ops.attention(q, lay, bt, pos, d**-0.5).reshape(1, -1), w_o)
         logits = ops.lm_head(o, w_head)
         return logits, ops.argmax(logits), ops.sample(logits, 0.8, 20, 0.9, None)
@@ -74,8 +75,9 @@ def test_decode_step_with_fresh_inputs_replays_from_a_cuda_graph(target):
 
     def step(o, lay):
         q, k, v = o.linear(o.rms_norm(x, w_norm, 1e-6), w_qkv).split([H * d, KVH * d, KVH * d], dim=-1)
-        q = o.qk_norm_rope_kv_write(q.view(1, H, d), k.view(1, KVH, d), v.view(1, KVH, d), qn, kn, 1e-6,
-                                    cos, sin, lay, bt, positions)
+        q = o.qk_norm_rope_kv_write(
+            q.view(1, H, d), k.view(1, KVH, d), v.view(1, KVH, d), qn, kn, 1e-6, cos, sin, lay, bt, positions
+        )
         y = o.linear(o.attention(q, lay, bt, positions, d**-0.5).reshape(1, H * d), w_o)
         return y, o.argmax(o.lm_head(y, w_lm))
 

@@ -45,8 +45,11 @@ def test_linear_swiglu_lm_head_small(target, dt, T, K):
 def projections(c) -> dict[str, tuple[int, int, bool]]:
     """name: (out features, in features, has bias) of one layer's linear projections."""
     h, d = c.num_attention_heads, c.head_dim
-    return {"qkv": (qkv_out(c), c.hidden_size, c.attention_bias), "o": (c.hidden_size, h * d, False),
-            "down": (c.hidden_size, c.intermediate_size, False)}
+    return {
+        "qkv": (qkv_out(c), c.hidden_size, c.attention_bias),
+        "o": (c.hidden_size, h * d, False),
+        "down": (c.hidden_size, c.intermediate_size, False),
+    }
 
 
 @pytest.mark.cases("model,T", model=[(name, T) for name in MODELS for T in (1, 5, 7, 16, 300, 512)])
@@ -81,21 +84,32 @@ def test_lm_head(target, model, T):
 # TMA warp-specialised (compiled only), and the int32-word INT8 GEMV.
 TRITON_SMALL_VARIANTS = {
     "ptr": {"gemm_bf16": (32, 32, 32, 8, 4, 2, "ptr"), "gemm_int8": (32, 32, 32, 8, 4, 2, "ptr")},
-    "tma": {"gemm_bf16": (32, 32, 32, 8, 4, 2, "tma"), "gemm_int8": (32, 32, 32, 8, 4, 2, "tma"),
-            "gemv1_int8": (4, 64, 4, 2, 2)},
+    "tma": {
+        "gemm_bf16": (32, 32, 32, 8, 4, 2, "tma"),
+        "gemm_int8": (32, 32, 32, 8, 4, 2, "tma"),
+        "gemv1_int8": (4, 64, 4, 2, 2),
+    },
 }
 TRITON_VARIANTS = {
     "ptr": {"gemm_bf16": (128, 128, 64, 8, 8, 3, "ptr"), "gemm_int8": (128, 128, 64, 8, 8, 3, "ptr")},
-    "tma": {"gemm_bf16": (128, 128, 64, 8, 8, 4, "tma"), "gemm_int8": (128, 64, 64, 8, 4, 4, "tma"),
-            "gemv1_int8": (16, 512, 4, 2, 2)},
-    "tma_ws": {"gemm_bf16": (128, 256, 64, 8, 8, 3, "tma_ws"),  # SwiGLU clamps to 128 columns
-               "gemm_int8": (128, 128, 64, 8, 8, 4, "tma_ws"), "gemv1_int8": (16, 512, 4, 1, 1)},
+    "tma": {
+        "gemm_bf16": (128, 128, 64, 8, 8, 4, "tma"),
+        "gemm_int8": (128, 64, 64, 8, 4, 4, "tma"),
+        "gemv1_int8": (16, 512, 4, 2, 2),
+    },
+    "tma_ws": {
+        "gemm_bf16": (128, 256, 64, 8, 8, 3, "tma_ws"),  # SwiGLU clamps to 128 columns
+        "gemm_int8": (128, 128, 64, 8, 8, 4, "tma_ws"),
+        "gemv1_int8": (16, 512, 4, 1, 1),
+    },
 }
 
 
-@pytest.mark.cases("variant,dt,T,K", targets=("triton-interpret",),
-                   small=[(v, dt, T, K) for v in TRITON_SMALL_VARIANTS for dt in DTYPES for T in (1, 40)
-                          for K in (64, 200)])
+@pytest.mark.cases(
+    "variant,dt,T,K",
+    targets=("triton-interpret",),
+    small=[(v, dt, T, K) for v in TRITON_SMALL_VARIANTS for dt in DTYPES for T in (1, 40) for K in (64, 200)],
+)
 def test_triton_variants_small(target, monkeypatch, variant, dt, T, K):
     """The interpreter through each GEMM kind; "tma" also through the INT8 prefill path that widens
     the weight to bf16 first (threshold lowered to 32 rows)."""
@@ -122,8 +136,11 @@ def test_triton_variants(target, monkeypatch, variant):
         monkeypatch.setitem(gemm._OVERRIDE, key, cfg)
     c = MODELS["qwen2.5-coder-0.5b"]
     for T in (1, 300, 600):
-        for n, k, swiglu in ((qkv_out(c), c.hidden_size, False), (2 * c.intermediate_size, c.hidden_size, True),
-                             (c.hidden_size, c.intermediate_size, False)):
+        for n, k, swiglu in (
+            (qkv_out(c), c.hidden_size, False),
+            (2 * c.intermediate_size, c.hidden_size, True),
+            (c.hidden_size, c.intermediate_size, False),
+        ):
             x = torch.randn(T, k, device="cuda").to(torch.bfloat16)
             w = (torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16)
             f, r = (target.ops.swiglu, R.swiglu) if swiglu else (target.ops.linear, R.linear)

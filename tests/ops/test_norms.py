@@ -15,9 +15,11 @@ from tests.numerics import DTYPES, MODELS, TOL, close
 from tileinfer.ops import reference as R
 
 
-@pytest.mark.cases("dt,vocab,hidden,T",
-                   small=[(dt, 50, 72, 9) for dt in DTYPES],
-                   model=[("bf16", c.vocab_size, c.hidden_size, T) for c in MODELS.values() for T in (1, 5, 333, 512)])
+@pytest.mark.cases(
+    "dt,vocab,hidden,T",
+    small=[(dt, 50, 72, 9) for dt in DTYPES],
+    model=[("bf16", c.vocab_size, c.hidden_size, T) for c in MODELS.values() for T in (1, 5, 333, 512)],
+)
 def test_embedding(target, dt, vocab, hidden, T):
     table = torch.randn(vocab, hidden, device=target.device).to(DTYPES[dt])
     ids = torch.randint(0, vocab, (T,), device=target.device)
@@ -25,9 +27,11 @@ def test_embedding(target, dt, vocab, hidden, T):
     assert torch.equal(target.ops.embedding(ids, table), R.embedding(ids, table))
 
 
-@pytest.mark.cases("dt,rows,n",
-                   small=[(dt, rows, n) for dt in DTYPES for rows, n in ((1, 64), (7, 96), (3, 1000))],
-                   model=[("bf16", T, c.hidden_size) for c in MODELS.values() for T in (1, 300, 333)])
+@pytest.mark.cases(
+    "dt,rows,n",
+    small=[(dt, rows, n) for dt in DTYPES for rows, n in ((1, 64), (7, 96), (3, 1000))],
+    model=[("bf16", T, c.hidden_size) for c in MODELS.values() for T in (1, 300, 333)],
+)
 def test_rms_norm_and_add(target, dt, rows, n):
     dt = DTYPES[dt]
     dev = target.device

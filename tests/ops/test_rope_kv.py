@@ -21,18 +21,48 @@ from tests.numerics import DTYPES, MODELS, TOL, clone_cache, close, filled_cache
 from tileinfer.ops import reference as R
 
 CACHES = ("bf16cache", "int8cache")
-SMALL = [(dt, cache, norm, T, start, kvh, kvh * group, 32, 8)
-         for dt in DTYPES for cache in CACHES for norm in ("none", "vec", "per_head")
-         for T, start, kvh, group in ((1, 37, 2, 4), (7, 12, 1, 3), (20, 0, 3, 1))]
+SMALL = [
+    (dt, cache, norm, T, start, kvh, kvh * group, 32, 8)
+    for dt in DTYPES
+    for cache in CACHES
+    for norm in ("none", "vec", "per_head")
+    for T, start, kvh, group in ((1, 37, 2, 4), (7, 12, 1, 3), (20, 0, 3, 1))
+]
 # (T, start): start -1 draws a position in [0, 4096 - T)
 MODEL_STEPS = [(1, 0), (1, 4159), (16, 1000), (300, 64 * 7 + 5), (1, -1), (5, -1), (300, -1)]
-MODEL = [pytest.param("bf16", cache, "vec" if c.qk_norm else "none", T, start, c.num_key_value_heads,
-                      c.num_attention_heads, c.head_dim, 64,
-                      id=f"{name}-{cache}-T{T}-at{start if start >= 0 else 'random'}")
-         for name, c in MODELS.items() for T, start in MODEL_STEPS for cache in CACHES]
+MODEL = [
+    pytest.param(
+        "bf16",
+        cache,
+        "vec" if c.qk_norm else "none",
+        T,
+        start,
+        c.num_key_value_heads,
+        c.num_attention_heads,
+        c.head_dim,
+        64,
+        id=f"{name}-{cache}-T{T}-at{start if start >= 0 else 'random'}",
+    )
+    for name, c in MODELS.items()
+    for T, start in MODEL_STEPS
+    for cache in CACHES
+]
 _c = MODELS["qwen3-0.6b-random"]  # and one weight row per head (q/k norms after key smoothing)
-MODEL += [pytest.param("bf16", cache, "per_head", 5, 100, _c.num_key_value_heads, _c.num_attention_heads,
-                       _c.head_dim, 64, id=f"qwen3-0.6b-random-per-head-{cache}") for cache in CACHES]
+MODEL += [
+    pytest.param(
+        "bf16",
+        cache,
+        "per_head",
+        5,
+        100,
+        _c.num_key_value_heads,
+        _c.num_attention_heads,
+        _c.head_dim,
+        64,
+        id=f"qwen3-0.6b-random-per-head-{cache}",
+    )
+    for cache in CACHES
+]
 
 
 def check_kv_write(out, ref, bt: torch.Tensor, pos: torch.Tensor, dt) -> None:

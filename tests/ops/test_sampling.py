@@ -30,11 +30,17 @@ def test_argmax(target, T, V):
     assert torch.equal(target.ops.argmax(x), R.argmax(x))
 
 
-@pytest.mark.cases("V,N,t,k,p",
-                   small=[(150, 32, 1.0, 0, 1.0), (150, 32, 0.7, 12, 0.9), (300, 32, 1.0, 0, 0.6),
-                          (300, 32, 1.3, 5, 1.0), (300, 32, 0.5, 1, 1.0)],
-                   model=[(151936, 8192, t, k, p) for t, k, p in ((0.7, 20, 0.95), (1.0, 0, 0.9), (1.0, 50, 1.0),
-                                                                  (0.6, 0, 1.0))])
+@pytest.mark.cases(
+    "V,N,t,k,p",
+    small=[
+        (150, 32, 1.0, 0, 1.0),
+        (150, 32, 0.7, 12, 0.9),
+        (300, 32, 1.0, 0, 0.6),
+        (300, 32, 1.3, 5, 1.0),
+        (300, 32, 0.5, 1, 1.0),
+    ],
+    model=[(151936, 8192, t, k, p) for t, k, p in ((0.7, 20, 0.95), (1.0, 0, 0.9), (1.0, 50, 1.0), (0.6, 0, 1.0))],
+)
 def test_sample_matches_the_filtered_distribution(target, monkeypatch, V, N, t, k, p):
     """N rows of the same logits, a tie at the top: the total variation between the histogram of the
     draws and the filtered softmax stays within what N draws allow."""

@@ -50,14 +50,18 @@ class Case:
 
     @property
     def metric(self) -> str:
-        return "TFLOP/s" if self.flops and self.phase == "prefill" and self.op in (
-            "linear", "swiglu", "attention") else "GB/s"
+        return (
+            "TFLOP/s"
+            if self.flops and self.phase == "prefill" and self.op in ("linear", "swiglu", "attention")
+            else "GB/s"
+        )
 
 
 def _rand_w(n, k, dev, int8):
     if int8:
-        return Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev),
-                          torch.rand(n, device=dev) * 1e-3 + 1e-4)
+        return Int8Weight(
+            torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev), torch.rand(n, device=dev) * 1e-3 + 1e-4
+        )
     return torch.randn(n, k, device=dev).to(torch.bfloat16) * k**-0.5
 
 
@@ -91,30 +95,50 @@ def linear_cases(name: str, phase: str, T: int) -> list[Case]:
     m = model_config(name)
     hid, inter = m.hidden_size, m.intermediate_size
     out = []
-    shapes = [("qkv", qkv_out(m), hid, "linear"), ("o", hid, m.num_attention_heads * m.head_dim, "linear"),
-              ("gate_up", 2 * inter, hid, "swiglu"), ("down", hid, inter, "linear")]
+    shapes = [
+        ("qkv", qkv_out(m), hid, "linear"),
+        ("o", hid, m.num_attention_heads * m.head_dim, "linear"),
+        ("gate_up", 2 * inter, hid, "swiglu"),
+        ("down", hid, inter, "linear"),
+    ]
     if phase == "prefill" and name == TARGET_MODELS[0]:  # the gate/up GEMM without the SwiGLU epilogue
         shapes.append(("gate_up_plain", 2 * inter, hid, "linear"))
     if phase == "decode":
         shapes.append(("lm_head", m.vocab_size, hid, "lm_head"))
     for int8 in (False, True):
         for weight, n, k, op in shapes:
+
             def make(dev, n=n, k=k, int8=int8, T=T, weight=weight):
                 a = dict(x=torch.randn(T, k, device=dev).to(torch.bfloat16), w=_rand_w(n, k, dev, int8))
                 if weight == "qkv" and m.attention_bias:
                     a["b"] = torch.randn(n, device=dev).to(torch.bfloat16)
                 return a
-            call = {"linear": lambda ops, a: ops.linear(a["x"], a["w"], a.get("b")),
-                    "swiglu": lambda ops, a: ops.swiglu(a["x"], a["w"]),
-                    "lm_head": lambda ops, a: ops.lm_head(a["x"], a["w"])}[op]
+
+            call = {
+                "linear": lambda ops, a: ops.linear(a["x"], a["w"], a.get("b")),
+                "swiglu": lambda ops, a: ops.swiglu(a["x"], a["w"]),
+                "lm_head": lambda ops, a: ops.lm_head(a["x"], a["w"]),
+            }[op]
             tcall = {"linear": _torch_linear, "swiglu": _torch_swiglu, "lm_head": _torch_lm_head}[op]
             n_out = n // 2 if op == "swiglu" else n
             obytes = T * n_out * (4 if op == "lm_head" else 2)
             # the key the backend's tile table uses for this shape (GEMV: weight rows, K; GEMM: M, N, K)
             cfg_key = (n, k) if T <= 16 else (T, n_out, k)
-            out.append(Case(name, phase, op, f"{weight} {T}x{k}->{n}", "int8w" if int8 else "bf16",
-                            make, call, tcall, nbytes=_wbytes(n, k, int8) + 2 * T * k + obytes,
-                            flops=2 * T * n * k, tags=dict(weight=weight, n=n, k=k, T=T, cfg_key=cfg_key)))
+            out.append(
+                Case(
+                    name,
+                    phase,
+                    op,
+                    f"{weight} {T}x{k}->{n}",
+                    "int8w" if int8 else "bf16",
+                    make,
+                    call,
+                    tcall,
+                    nbytes=_wbytes(n, k, int8) + 2 * T * k + obytes,
+                    flops=2 * T * n * k,
+                    tags=dict(weight=weight, n=n, k=k, T=T, cfg_key=cfg_key),
+                )
+            )
     return out
 
 
@@ -157,11 +181,15 @@ def attention_cases(name: str, phase: str, T: int, contexts) -> list[Case]:
     out = []
     for L in contexts:
         for int8 in (False, True):
+
             def make(dev, L=L, int8=int8, T=T):
                 layer, bt = _kv(m, L, int8, dev)
-                a = dict(q=torch.randn(T, heads, d, device=dev).to(torch.bfloat16),
-                         layer=layer, bt=bt,
-                         pos=torch.arange(L - T, L, dtype=torch.int32, device=dev))
+                a = dict(
+                    q=torch.randn(T, heads, d, device=dev).to(torch.bfloat16),
+                    layer=layer,
+                    bt=bt,
+                    pos=torch.arange(L - T, L, dtype=torch.int32, device=dev),
+                )
                 if dev != "meta":  # torch's inputs: contiguous [1, heads, L, d]
                     kvh = m.num_key_value_heads if phase != "prefill" else heads
                     a["tq"] = a["q"].transpose(0, 1)[None]
@@ -169,11 +197,23 @@ def attention_cases(name: str, phase: str, T: int, contexts) -> list[Case]:
                     a["tv"] = torch.randn(1, kvh, L, d, device=dev).to(torch.bfloat16)
                     a["flash"] = phase == "prefill"
                 return a
+
             causal = T * (L - T) + T * (T + 1) // 2  # visible (query, key) pairs
-            out.append(Case(name, phase, "attention", f"T={T} ctx={L}", "int8kv" if int8 else "bf16",
-                            make, lambda ops, a: ops.attention(a["q"], a["layer"], a["bt"], a["pos"], d ** -0.5),
-                            _sdpa, nbytes=_kv_bytes(m, L, int8), flops=4 * causal * heads * d,
-                            tags=dict(ctx=L, T=T)))
+            out.append(
+                Case(
+                    name,
+                    phase,
+                    "attention",
+                    f"T={T} ctx={L}",
+                    "int8kv" if int8 else "bf16",
+                    make,
+                    lambda ops, a: ops.attention(a["q"], a["layer"], a["bt"], a["pos"], d**-0.5),
+                    _sdpa,
+                    nbytes=_kv_bytes(m, L, int8),
+                    flops=4 * causal * heads * d,
+                    tags=dict(ctx=L, T=T),
+                )
+            )
     return out
 
 
@@ -184,54 +224,128 @@ def small_cases(name: str, phase: str, T: int) -> list[Case]:
     H, d, V = m.hidden_size, m.head_dim, m.vocab_size
     heads, kvh = m.num_attention_heads, m.num_key_value_heads
     out = [
-        Case(name, phase, "embedding", f"T={T} H={H}", "bf16",
-             lambda dev: dict(ids=torch.randint(0, V, (T,), device=dev),
-                              table=torch.randn(V, H, device=dev).to(bf)),
-             lambda ops, a: ops.embedding(a["ids"], a["table"]),
-             lambda a: F.embedding(a["ids"], a["table"]), nbytes=2 * 2 * T * H),
-        Case(name, phase, "rms_norm", f"T={T} H={H}", "bf16",
-             lambda dev: dict(x=torch.randn(T, H, device=dev).to(bf), w=torch.randn(H, device=dev).to(bf)),
-             lambda ops, a: ops.rms_norm(a["x"], a["w"], 1e-6),
-             lambda a: F.rms_norm(a["x"], (H,), a["w"], 1e-6), nbytes=2 * 2 * T * H),
-        Case(name, phase, "add_rms_norm", f"T={T} H={H}", "bf16",
-             lambda dev: dict(x=torch.randn(T, H, device=dev).to(bf), r=torch.randn(T, H, device=dev).to(bf),
-                              w=torch.randn(H, device=dev).to(bf)),
-             lambda ops, a: ops.add_rms_norm(a["x"], a["r"], a["w"], 1e-6),
-             lambda a: (lambda s: (F.rms_norm(s, (H,), a["w"], 1e-6), s))(a["x"] + a["r"]),
-             nbytes=4 * 2 * T * H),
+        Case(
+            name,
+            phase,
+            "embedding",
+            f"T={T} H={H}",
+            "bf16",
+            lambda dev: dict(ids=torch.randint(0, V, (T,), device=dev), table=torch.randn(V, H, device=dev).to(bf)),
+            lambda ops, a: ops.embedding(a["ids"], a["table"]),
+            lambda a: F.embedding(a["ids"], a["table"]),
+            nbytes=2 * 2 * T * H,
+        ),
+        Case(
+            name,
+            phase,
+            "rms_norm",
+            f"T={T} H={H}",
+            "bf16",
+            lambda dev: dict(x=torch.randn(T, H, device=dev).to(bf), w=torch.randn(H, device=dev).to(bf)),
+            lambda ops, a: ops.rms_norm(a["x"], a["w"], 1e-6),
+            lambda a: F.rms_norm(a["x"], (H,), a["w"], 1e-6),
+            nbytes=2 * 2 * T * H,
+        ),
+        Case(
+            name,
+            phase,
+            "add_rms_norm",
+            f"T={T} H={H}",
+            "bf16",
+            lambda dev: dict(
+                x=torch.randn(T, H, device=dev).to(bf),
+                r=torch.randn(T, H, device=dev).to(bf),
+                w=torch.randn(H, device=dev).to(bf),
+            ),
+            lambda ops, a: ops.add_rms_norm(a["x"], a["r"], a["w"], 1e-6),
+            lambda a: (lambda s: (F.rms_norm(s, (H,), a["w"], 1e-6), s))(a["x"] + a["r"]),
+            nbytes=4 * 2 * T * H,
+        ),
     ]
     for int8 in (False, True):
+
         def make(dev, int8=int8):
             L = 4096
             layer, bt = _kv(m, L, int8, dev)
             qkv = torch.randn(T, qkv_out(m), device=dev).to(bf)
             q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
             ang = torch.rand(L, d // 2, device=dev)
-            return dict(q=q.view(T, heads, d), k=k.view(T, kvh, d), v=v.view(T, kvh, d),
-                        qn=torch.randn(d, device=dev).to(bf) if m.qk_norm else None,
-                        kn=torch.randn(d, device=dev).to(bf) if m.qk_norm else None,
-                        cos=ang.cos(), sin=ang.sin(), layer=layer, bt=bt,
-                        pos=torch.arange(L - T - 7, L - 7, dtype=torch.int32, device=dev))
-        call = lambda ops, a: ops.qk_norm_rope_kv_write(a["q"], a["k"], a["v"], a["qn"], a["kn"], 1e-6,  # noqa: E731
-                                                         a["cos"], a["sin"], a["layer"], a["bt"], a["pos"])
-        out.append(Case(name, phase, "qk_norm_rope_kv_write", f"T={T}", "int8kv" if int8 else "bf16",
-                        make, call, lambda a: call(reference, a),
-                        nbytes=2 * T * (qkv_out(m) + heads * d) + T * _kv_bytes(m, 1, int8)))
+            return dict(
+                q=q.view(T, heads, d),
+                k=k.view(T, kvh, d),
+                v=v.view(T, kvh, d),
+                qn=torch.randn(d, device=dev).to(bf) if m.qk_norm else None,
+                kn=torch.randn(d, device=dev).to(bf) if m.qk_norm else None,
+                cos=ang.cos(),
+                sin=ang.sin(),
+                layer=layer,
+                bt=bt,
+                pos=torch.arange(L - T - 7, L - 7, dtype=torch.int32, device=dev),
+            )
+
+        def call(ops, a):
+            return ops.qk_norm_rope_kv_write(
+                a["q"], a["k"], a["v"], a["qn"], a["kn"], 1e-6, a["cos"], a["sin"], a["layer"], a["bt"], a["pos"]
+            )
+
+        out.append(
+            Case(
+                name,
+                phase,
+                "qk_norm_rope_kv_write",
+                f"T={T}",
+                "int8kv" if int8 else "bf16",
+                make,
+                call,
+                lambda a: call(reference, a),
+                nbytes=2 * T * (qkv_out(m) + heads * d) + T * _kv_bytes(m, 1, int8),
+            )
+        )
     if phase == "decode":
+
         def mk(dev):
             return dict(x=torch.randn(T, V, device=dev) * 3)
-        out.append(Case(name, phase, "argmax", f"T={T} V={V}", "f32", mk,
-                        lambda ops, a: ops.argmax(a["x"]), lambda a: a["x"].argmax(-1),
-                        nbytes=4 * T * V))
-        out.append(Case(name, phase, "sample", f"T={T} V={V} t=0.7 k=20 p=0.95", "f32", mk,
-                        lambda ops, a: ops.sample(a["x"], 0.7, 20, 0.95, None),
-                        lambda a: reference.sample(a["x"], 0.7, 20, 0.95, None),
-                        nbytes=4 * T * V))
+
+        out.append(
+            Case(
+                name,
+                phase,
+                "argmax",
+                f"T={T} V={V}",
+                "f32",
+                mk,
+                lambda ops, a: ops.argmax(a["x"]),
+                lambda a: a["x"].argmax(-1),
+                nbytes=4 * T * V,
+            )
+        )
+        out.append(
+            Case(
+                name,
+                phase,
+                "sample",
+                f"T={T} V={V} t=0.7 k=20 p=0.95",
+                "f32",
+                mk,
+                lambda ops, a: ops.sample(a["x"], 0.7, 20, 0.95, None),
+                lambda a: reference.sample(a["x"], 0.7, 20, 0.95, None),
+                nbytes=4 * T * V,
+            )
+        )
         # top-p alone on flat random logits: a nucleus of thousands of tokens (the slow exact path)
-        out.append(Case(name, phase, "sample", f"T={T} V={V} t=1 k=0 p=0.9 flat", "f32", mk,
-                        lambda ops, a: ops.sample(a["x"], 1.0, 0, 0.9, None),
-                        lambda a: reference.sample(a["x"], 1.0, 0, 0.9, None),
-                        nbytes=4 * T * V))
+        out.append(
+            Case(
+                name,
+                phase,
+                "sample",
+                f"T={T} V={V} t=1 k=0 p=0.9 flat",
+                "f32",
+                mk,
+                lambda ops, a: ops.sample(a["x"], 1.0, 0, 0.9, None),
+                lambda a: reference.sample(a["x"], 1.0, 0, 0.9, None),
+                nbytes=4 * T * V,
+            )
+        )
     return out
 
 

@@ -58,8 +58,9 @@ def time_steps(runner: ModelRunner, seq, tokens: list[int], graph: bool) -> floa
     return dt
 
 
-def bench_model(name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int,
-                copy_GBps: float, log=print) -> list[dict]:
+def bench_model(
+    name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int, copy_GBps: float, log=print
+) -> list[dict]:
     """Rows of one model (see the module docstring)."""
     config = model_config(name)  # raises UserError for a model without a config
     hf = model_entry(name)["config"]
@@ -80,13 +81,25 @@ def bench_model(name: str, backends: list[str], quants: list[str], contexts: lis
                 seq = runner.new_sequence()
                 runner.prefill(seq, tokens[:ctx])
                 roof = copy_GBps * 1e9 / bytes_per_step(runner, ctx)
-                dts = {mode: time_steps(runner, seq, tokens[ctx:ctx + steps + 2], mode == "graph")
-                       for mode in ("eager", "graph")}
+                dts = {
+                    mode: time_steps(runner, seq, tokens[ctx : ctx + steps + 2], mode == "graph")
+                    for mode in ("eager", "graph")
+                }
                 for mode, dt in dts.items():
-                    rows.append(dict(model=name, quant=quant, backend=backend, ctx=ctx, mode=mode,
-                                     ms_per_tok=round(dt * 1e3, 3), tok_s=round(1 / dt, 1),
-                                     roofline_tok_s=round(roof, 1), frac_roofline=round(1 / dt / roof, 3),
-                                     graph_speedup=round(dts["eager"] / dts["graph"], 2)))
+                    rows.append(
+                        dict(
+                            model=name,
+                            quant=quant,
+                            backend=backend,
+                            ctx=ctx,
+                            mode=mode,
+                            ms_per_tok=round(dt * 1e3, 3),
+                            tok_s=round(1 / dt, 1),
+                            roofline_tok_s=round(roof, 1),
+                            frac_roofline=round(1 / dt / roof, 3),
+                            graph_speedup=round(dts["eager"] / dts["graph"], 2),
+                        )
+                    )
                     log(" ".join(f"{k}={v}" for k, v in rows[-1].items()))
                 seq.release()
                 del runner
@@ -109,12 +122,20 @@ def main(argv=None) -> int:
         return 2
     ceil = measure_ceilings("cuda")
     print(f"copy bandwidth {ceil['copy_GBps']:.0f} GB/s")
-    header = (f"Decode on {torch.cuda.get_device_name()}; copy bandwidth measured in this run: "
-              f"{ceil['copy_GBps']:.0f} GB/s; {a.steps} timed steps per row.\n\n")
+    header = (
+        f"Decode on {torch.cuda.get_device_name()}; copy bandwidth measured in this run: "
+        f"{ceil['copy_GBps']:.0f} GB/s; {a.steps} timed steps per row.\n\n"
+    )
     rows = []
     for name in a.models.split(","):
-        rows += bench_model(name, a.backends.split(","), a.quants.split(","),
-                            [int(c) for c in a.contexts.split(",")], a.steps, ceil["copy_GBps"])
+        rows += bench_model(
+            name,
+            a.backends.split(","),
+            a.quants.split(","),
+            [int(c) for c in a.contexts.split(",")],
+            a.steps,
+            ceil["copy_GBps"],
+        )
         save(rows, a.out, "decode", header)  # after each model, so a run cut short keeps what it measured
     print(header + open(f"{a.out}/decode.md").read().split("\n\n", 1)[1])
     return 0

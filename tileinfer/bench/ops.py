@@ -158,6 +158,7 @@ def _n_sets(args: dict) -> int:
     nb = sum(_arg_bytes(v) for v in args.values())
     return max(2, min(16, math.ceil(3 * L2_BYTES / max(nb, 1))))
 
+
 # ---------------------------------------------------------------------------- tile sweeps
 
 
@@ -188,10 +189,12 @@ class Family:
 
 def _triton_override(module: str, key: str) -> Callable:
     """Install a config as ``tileinfer.ops.triton.<module>._OVERRIDE[key]`` (read at each launch)."""
+
     def install(cfg):
         overrides = importlib.import_module(f"tileinfer.ops.triton.{module}")._OVERRIDE
         overrides[key] = cfg
         return lambda: overrides.pop(key, None)
+
     return install
 
 
@@ -214,6 +217,7 @@ def _cutile_prefill_attention(cfg: tuple) -> Callable[[], None]:
 
     def undo():
         A.prefill_attention_kernel, A.PREFILL_TM = prev
+
     return undo
 
 
@@ -221,6 +225,7 @@ def sweep_families() -> list[Family]:
     """Every tile sweep: Triton's table entries (GEMV at 1 and 16 rows, GEMM, decode and prefill
     attention), cuTile's skinny-GEMM plans and prefill-attention tiles (128-row tiles with the
     default hints, 64-row tiles at two blocks per SM, 64-row tiles with the default hints)."""
+
     def linear(phase, variant):
         return lambda c: c.phase == phase and c.op in LINEAR_OPS and c.variant == variant
 
@@ -232,34 +237,81 @@ def sweep_families() -> list[Family]:
 
     gemm, attn = functools.partial(_triton_override, "gemm"), functools.partial(_triton_override, "paged_attention")
     gemv16 = [(32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4)]
-    gemm_cfgs = [(128, 128, 64, 8, 8, 3, "ptr"), (128, 128, 64, 8, 8, 4, "tma"),
-                 (128, 128, 64, 8, 8, 4, "tma_ws"), (128, 256, 64, 8, 8, 3, "tma"),
-                 (128, 256, 64, 8, 8, 3, "tma_ws"), (128, 64, 64, 8, 4, 4, "tma"),
-                 (256, 128, 64, 8, 8, 3, "ptr")]
+    gemm_cfgs = [
+        (128, 128, 64, 8, 8, 3, "ptr"),
+        (128, 128, 64, 8, 8, 4, "tma"),
+        (128, 128, 64, 8, 8, 4, "tma_ws"),
+        (128, 256, 64, 8, 8, 3, "tma"),
+        (128, 256, 64, 8, 8, 3, "tma_ws"),
+        (128, 64, 64, 8, 4, 4, "tma"),
+        (256, 128, 64, 8, 8, 3, "ptr"),
+    ]
     return [
-        Family("triton", "gemv1 bf16", [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1)],
-               linear("decode", "bf16"), gemm("gemv1_bf16"), per_shape=True),
-        Family("triton", "gemv1 int8",
-               [(8, 1024, 4, 1, 1), (16, 512, 4, 1, 1), (16, 1024, 4, 1, 1), (32, 256, 4, 1, 1),
-                (32, 512, 8, 1, 1), (16, 512, 4, 2, 2), (16, 512, 4, 1, 2), (16, 1024, 8, 1, 2),
-                (32, 512, 8, 1, 2), (16, 2048, 8, 1, 1), (8, 2048, 4, 1, 2), (4, 2048, 4, 1, 1),
-                (4, 1024, 4, 1, 1), (4, 2048, 4, 1, 2), (8, 512, 4, 1, 1)],
-               linear("decode", "int8w"), gemm("gemv1_int8"), per_shape=True),
+        Family(
+            "triton",
+            "gemv1 bf16",
+            [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1)],
+            linear("decode", "bf16"),
+            gemm("gemv1_bf16"),
+            per_shape=True,
+        ),
+        Family(
+            "triton",
+            "gemv1 int8",
+            [
+                (8, 1024, 4, 1, 1),
+                (16, 512, 4, 1, 1),
+                (16, 1024, 4, 1, 1),
+                (32, 256, 4, 1, 1),
+                (32, 512, 8, 1, 1),
+                (16, 512, 4, 2, 2),
+                (16, 512, 4, 1, 2),
+                (16, 1024, 8, 1, 2),
+                (32, 512, 8, 1, 2),
+                (16, 2048, 8, 1, 1),
+                (8, 2048, 4, 1, 2),
+                (4, 2048, 4, 1, 1),
+                (4, 1024, 4, 1, 1),
+                (4, 2048, 4, 1, 2),
+                (8, 512, 4, 1, 1),
+            ],
+            linear("decode", "int8w"),
+            gemm("gemv1_int8"),
+            per_shape=True,
+        ),
         Family("triton", "gemv16 bf16", gemv16, linear("verify", "bf16"), gemm("gemv16_bf16"), per_shape=True),
         Family("triton", "gemv16 int8", gemv16, linear("verify", "int8w"), gemm("gemv16_int8"), per_shape=True),
         Family("triton", "gemm bf16", gemm_cfgs, linear("prefill", "bf16"), gemm("gemm_bf16"), per_shape=True),
         Family("triton", "gemm int8", gemm_cfgs, linear("prefill", "int8w"), gemm("gemm_int8"), per_shape=True),
-        Family("triton", "decode attn tile", [(64, 4, 2), (64, 4, 1), (128, 4, 3), (128, 4, 1)], long_decode,
-               attn("decode_tile")),
+        Family(
+            "triton",
+            "decode attn tile",
+            [(64, 4, 2), (64, 4, 1), (128, 4, 3), (128, 4, 1)],
+            long_decode,
+            attn("decode_tile"),
+        ),
         Family("triton", "decode attn programs", [264, 528, 1056], long_decode, attn("programs")),
-        Family("triton", "prefill attn tile", [(128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
-               prefill_attention, attn("prefill_tile")),
-        Family("cutile", "cutile gemv plan",
-               [dict(TN=tn, TK=tk, S=s) for tn in (64, 128) for tk in (64, 128, 256) for s in (1, 4)],
-               lambda c: c.phase == "decode" and c.op == "linear" and c.variant == "bf16", _cutile_gemv_plan),
-        Family("cutile", "cutile prefill attn",
-               [(128, None), (64, {"occupancy": 2, "num_worker_warps": None}), (64, None)],
-               prefill_attention, _cutile_prefill_attention),
+        Family(
+            "triton",
+            "prefill attn tile",
+            [(128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+            prefill_attention,
+            attn("prefill_tile"),
+        ),
+        Family(
+            "cutile",
+            "cutile gemv plan",
+            [dict(TN=tn, TK=tk, S=s) for tn in (64, 128) for tk in (64, 128, 256) for s in (1, 4)],
+            lambda c: c.phase == "decode" and c.op == "linear" and c.variant == "bf16",
+            _cutile_gemv_plan,
+        ),
+        Family(
+            "cutile",
+            "cutile prefill attn",
+            [(128, None), (64, {"occupancy": 2, "num_worker_warps": None}), (64, None)],
+            prefill_attention,
+            _cutile_prefill_attention,
+        ),
     ]
 
 
@@ -273,12 +325,16 @@ def sweep_cases(fam: Family, models, long_ctx: bool = True) -> list[Case]:
     """The cases ``fam`` is timed on: its cases of ``models``, of which GEMV/GEMM families keep every
     weight of Qwen3-4B and only down and gate_up of the others (the shapes 4B does not have)."""
     cases = [c for name in models for c in model_cases(name, long_ctx) if fam.keep(c)]
-    return [c for c in cases if c.op not in LINEAR_OPS or c.model == TARGET_MODELS[0]
-            or c.tags.get("weight") in ("down", "gate_up")]
+    return [
+        c
+        for c in cases
+        if c.op not in LINEAR_OPS or c.model == TARGET_MODELS[0] or c.tags.get("weight") in ("down", "gate_up")
+    ]
 
 
-def run_sweep(models, backends: dict, ceil: dict, dev, budget_s: float, families: str = "",
-              long_ctx: bool = True, log=print) -> list[dict]:
+def run_sweep(
+    models, backends: dict, ceil: dict, dev, budget_s: float, families: str = "", long_ctx: bool = True, log=print
+) -> list[dict]:
     """Time every config of the selected families of ``backends`` ({name: module}) on their cases;
     one row per (case, config), as the main table's plus family, config and cfg_key (strings)."""
     rows = []
@@ -300,8 +356,10 @@ def run_sweep(models, backends: dict, ceil: dict, dev, budget_s: float, families
                     r = _table_rows(c, fam.backend, us, True, ceil, None)
                     r.update(family=fam.name, config=str(cfg), cfg_key=str(c.tags.get("cfg_key")))
                     rows.append(r)
-                    log(f"sweep {fam.name:20s} {str(cfg):24s} {c.model:15s} {c.op:9s} {c.shape:26s} {c.variant:6s} "
-                        f"{us:9.2f} us {100 * r['frac_ceiling']:5.1f}%")
+                    log(
+                        f"sweep {fam.name:20s} {str(cfg):24s} {c.model:15s} {c.op:9s} {c.shape:26s} {c.variant:6s} "
+                        f"{us:9.2f} us {100 * r['frac_ceiling']:5.1f}%"
+                    )
                 except Exception as e:
                     log(f"sweep {fam.name} {cfg} {c.shape}: {type(e).__name__}: {str(e)[:300]}")
             del sets, a0
@@ -320,6 +378,7 @@ def sweep_winners(srows: list[dict]) -> dict:
 
         def shape(r):
             return r["model"], r["shape"], r["variant"]
+
         full = {sh for sh in map(shape, rs) if len({r["config"] for r in rs if shape(r) == sh}) == len(configs)}
         if not full:
             continue
@@ -333,8 +392,9 @@ def sweep_winners(srows: list[dict]) -> dict:
             per_shape[sh] = win["config"]
             if win["cfg_key"] != "None":
                 by_key[ast.literal_eval(win["cfg_key"])] = configs[win["config"]]
-        best[fam.name] = dict(family=fam, config=configs[min(score, key=score.get)], score=score,
-                              per_shape=per_shape, by_key=by_key)
+        best[fam.name] = dict(
+            family=fam, config=configs[min(score, key=score.get)], score=score, per_shape=per_shape, by_key=by_key
+        )
     return best
 
 
@@ -354,13 +414,17 @@ def bench_calls(backend: str, models, long_ctx: bool, sweep_models, families: st
     """The run's launches as ahead-of-time calls (:mod:`tileinfer.bench.aot`): every case of
     ``models``, and every config of the selected sweep families of ``backend`` on their cases of
     ``sweep_models``."""
+
     def label(c):
         return f"{c.model} {c.phase} {c.op} {c.shape} {c.variant}"
+
     calls = [Call(label(c), functools.partial(_launch_case, c)) for name in models for c in model_cases(name, long_ctx)]
     for fam in select_families(families, (backend,)):
         for cfg in fam.configs:
-            calls += [Call(f"{label(c)} {fam.name} {cfg}", functools.partial(_launch_case_with, fam, cfg, c))
-                      for c in sweep_cases(fam, sweep_models, long_ctx)]
+            calls += [
+                Call(f"{label(c)} {fam.name} {cfg}", functools.partial(_launch_case_with, fam, cfg, c))
+                for c in sweep_cases(fam, sweep_models, long_ctx)
+            ]
     return calls
 
 
@@ -387,6 +451,7 @@ def _count_cutile_compiles() -> list[int]:
     def counting(*args, **kwargs):
         count[0] += 1
         return compile_cubin(*args, **kwargs)
+
     jit.compile_cubin = counting
     return count
 
@@ -401,14 +466,25 @@ def _table_rows(case: Case, backend: str, us: float, graph: bool, ceil: dict, to
     else:
         rate = case.nbytes / us / 1e3
         frac = rate / ceil["copy_GBps"]
-    return dict(model=case.model, phase=case.phase, op=case.op, shape=case.shape, variant=case.variant,
-                backend=backend, us=round(us, 2), rate=round(rate, 1), unit=case.metric,
-                frac_ceiling=round(frac, 3),
-                vs_torch=round(torch_us / us, 3) if torch_us else None, graph=graph)
+    return dict(
+        model=case.model,
+        phase=case.phase,
+        op=case.op,
+        shape=case.shape,
+        variant=case.variant,
+        backend=backend,
+        us=round(us, 2),
+        rate=round(rate, 1),
+        unit=case.metric,
+        frac_ceiling=round(frac, 3),
+        vs_torch=round(torch_us / us, 3) if torch_us else None,
+        graph=graph,
+    )
 
 
-def run_cases(cases, backends: dict, ceil: dict, dev, budget_s: float, log=print,
-              target_ms: float = 2.0, reps: int = 7) -> list[dict]:
+def run_cases(
+    cases, backends: dict, ceil: dict, dev, budget_s: float, log=print, target_ms: float = 2.0, reps: int = 7
+) -> list[dict]:
     rows = []
     t_start = time.perf_counter()
     for c in cases:
@@ -431,9 +507,11 @@ def run_cases(cases, backends: dict, ceil: dict, dev, budget_s: float, log=print
         for name, (us, graph) in results.items():
             rows.append(_table_rows(c, name, us, graph, ceil, t_torch))
             r = rows[-1]
-            log(f"{r['model']:11s} {r['phase']:7s} {r['op']:21s} {r['shape']:28s} {r['variant']:6s} "
+            log(
+                f"{r['model']:11s} {r['phase']:7s} {r['op']:21s} {r['shape']:28s} {r['variant']:6s} "
                 f"{name:7s} {us:9.2f} us {r['rate']:8.1f} {r['unit']:7s} {100 * r['frac_ceiling']:5.1f}% "
-                f"x{r['vs_torch'] if r['vs_torch'] else float('nan'):.2f}{'' if graph else ' (eager)'}")
+                f"x{r['vs_torch'] if r['vs_torch'] else float('nan'):.2f}{'' if graph else ' (eager)'}"
+            )
         del sets, a0
         torch.cuda.empty_cache()
     return rows
@@ -464,10 +542,17 @@ def targets(rows: list[dict], backend: str) -> list[str]:
             q = get(r["model"], "decode", r["op"], r["shape"], "int8w", backend)
             if q:
                 line(f"{r['model']} INT8 GEMV {r['shape']}: x BF16 GEMV", r["us"] / q["us"], 1.8)
-        if r["phase"] == "decode" and r["op"] == "attention" and r["model"] in TARGET_MODELS \
-                and r["shape"].split("ctx=")[-1] in ("8192", "32768"):
-            line(f"{r['model']} split-KV decode {r['shape']} {r['variant']}: fraction of copy BW",
-                 r["frac_ceiling"], 0.75)
+        if (
+            r["phase"] == "decode"
+            and r["op"] == "attention"
+            and r["model"] in TARGET_MODELS
+            and r["shape"].split("ctx=")[-1] in ("8192", "32768")
+        ):
+            line(
+                f"{r['model']} split-KV decode {r['shape']} {r['variant']}: fraction of copy BW",
+                r["frac_ceiling"],
+                0.75,
+            )
         if r["phase"] == "prefill" and r["op"] in ("linear", "swiglu") and r["model"] == TARGET_MODELS[0]:
             if r["variant"] == "bf16":
                 line(f"4B prefill GEMM {r['shape']}: x cuBLAS", r["vs_torch"], 0.95)
@@ -476,8 +561,7 @@ def targets(rows: list[dict], backend: str) -> list[str]:
                 if b:
                     line(f"4B INT8 prefill GEMM {r['shape']}: x BF16", b["us"] / r["us"], 0.95)
         if r["phase"] == "prefill" and r["op"] == "attention" and "T=8192" in r["shape"]:
-            line(f"{r['model']} prefill attention {r['shape']} {r['variant']}: x SDPA flash",
-                 r["vs_torch"], 0.9)
+            line(f"{r['model']} prefill attention {r['shape']} {r['variant']}: x SDPA flash", r["vs_torch"], 0.9)
     return out
 
 
@@ -509,23 +593,38 @@ def save(rows: list[dict], out_dir: str, name: str, header: str = "") -> None:
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(header + _markdown(rows, cols))
 
+
 def main(argv=None) -> int:
     from tileinfer.ops import get_backend
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cutile")
-    p.add_argument("--models", default=",".join(("qwen3-0.6b-random", *TARGET_MODELS)),
-                   help="registry names (conf/model), comma-separated")
+    p.add_argument(
+        "--models",
+        default=",".join(("qwen3-0.6b-random", *TARGET_MODELS)),
+        help="registry names (conf/model), comma-separated",
+    )
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--sweep", action="store_true", help="time the tile alternatives of each backend first")
     p.add_argument("--sweep-budget", type=float, default=60.0, help="seconds for the sweep")
-    p.add_argument("--sweep-families", default="", help="only these sweep families (comma-separated): "
-                   + ", ".join(f.name for f in sweep_families()))
-    p.add_argument("--apply-sweep", action="store_true",
-                   help="run the main table with each family's sweep winner (to copy into the table)")
+    p.add_argument(
+        "--sweep-families",
+        default="",
+        help="only these sweep families (comma-separated): " + ", ".join(f.name for f in sweep_families()),
+    )
+    p.add_argument(
+        "--apply-sweep",
+        action="store_true",
+        help="run the main table with each family's sweep winner (to copy into the table)",
+    )
     p.add_argument("--budget", type=float, default=150.0, help="seconds for the main table")
-    p.add_argument("--precompile", type=int, default=0, metavar="N",
-                   help="compile every kernel of the run in N processes per backend first")
+    p.add_argument(
+        "--precompile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compile every kernel of the run in N processes per backend first",
+    )
     p.add_argument("--no-32k", action="store_true", help="skip the 32k-context decode attention")
     p.add_argument("--ops", default="", help="only these ops (comma-separated)")
     a = p.parse_args(argv)
@@ -550,24 +649,39 @@ def main(argv=None) -> int:
             print(f"backend {name} skipped: {e}")
     if a.precompile:
         major, minor = torch.cuda.get_device_capability()
-        secs = precompile([b for b in backends if b in AOT_BACKENDS], models, a.precompile, not a.no_32k,
-                          sweep_models, a.sweep_families, f"sm_{major}{minor}")
+        secs = precompile(
+            [b for b in backends if b in AOT_BACKENDS],
+            models,
+            a.precompile,
+            not a.no_32k,
+            sweep_models,
+            a.sweep_families,
+            f"sm_{major}{minor}",
+        )
         print(f"precompiled in {secs:.1f}s", flush=True)
     jit_compiles = _count_cutile_compiles() if "cutile" in backends else None
     backends["torch"] = "torch"
     torch.manual_seed(0)
     ceil = measure_ceilings(dev)
     ceil0 = dict(ceil)
-    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (read+write), bf16 GEMM {ceil['gemm_TFLOPs']:.0f} "
-          f"TFLOP/s; device {torch.cuda.get_device_name()}", flush=True)
-    header = (f"Device {torch.cuda.get_device_name()}; ceilings measured in this run: copy "
-              f"{ceil['copy_GBps']:.0f} GB/s (read+write), bf16 GEMM 8192^3 {ceil['gemm_TFLOPs']:.0f} TFLOP/s.\n\n")
+    print(
+        f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (read+write), bf16 GEMM {ceil['gemm_TFLOPs']:.0f} "
+        f"TFLOP/s; device {torch.cuda.get_device_name()}",
+        flush=True,
+    )
+    header = (
+        f"Device {torch.cuda.get_device_name()}; ceilings measured in this run: copy "
+        f"{ceil['copy_GBps']:.0f} GB/s (read+write), bf16 GEMM 8192^3 {ceil['gemm_TFLOPs']:.0f} TFLOP/s.\n\n"
+    )
     if sweep_models:
         srows = run_sweep(sweep_models, backends, ceil, dev, a.sweep_budget, a.sweep_families, not a.no_32k)
         save(srows, a.out, "sweep", header)
         for fam, w in sweep_winners(srows).items():
-            print(f"sweep winner {fam:20s} {w['config']}  (geomean us: "
-                  + ", ".join(f"{c}={v:.1f}" for c, v in sorted(w["score"].items(), key=lambda kv: kv[1])) + ")")
+            print(
+                f"sweep winner {fam:20s} {w['config']}  (geomean us: "
+                + ", ".join(f"{c}={v:.1f}" for c, v in sorted(w["score"].items(), key=lambda kv: kv[1]))
+                + ")"
+            )
             for sh, cfg in sorted(w["per_shape"].items()):
                 print(f"    best for {' '.join(sh)}: {cfg}")
             if a.apply_sweep:
@@ -590,10 +704,12 @@ def main(argv=None) -> int:
                 r["frac_ceiling"] = round(r["rate"] / ceil["gemm_TFLOPs"], 3)
             else:
                 r["frac_ceiling"] = round(r["rate"] / ceil["copy_GBps"], 3)
-    header = (f"Device {torch.cuda.get_device_name()}; ceilings measured in this run (max of start/end): "
-              f"copy {ceil['copy_GBps']:.0f} GB/s (read+write; start {ceil0['copy_GBps']:.0f}, end "
-              f"{ceil1['copy_GBps']:.0f}), bf16 GEMM 8192^3 {ceil['gemm_TFLOPs']:.0f} TFLOP/s (start "
-              f"{ceil0['gemm_TFLOPs']:.0f}, end {ceil1['gemm_TFLOPs']:.0f}).\n\n")
+    header = (
+        f"Device {torch.cuda.get_device_name()}; ceilings measured in this run (max of start/end): "
+        f"copy {ceil['copy_GBps']:.0f} GB/s (read+write; start {ceil0['copy_GBps']:.0f}, end "
+        f"{ceil1['copy_GBps']:.0f}), bf16 GEMM 8192^3 {ceil['gemm_TFLOPs']:.0f} TFLOP/s (start "
+        f"{ceil0['gemm_TFLOPs']:.0f}, end {ceil1['gemm_TFLOPs']:.0f}).\n\n"
+    )
     tl = []
     for name in backends:
         if name != "torch":

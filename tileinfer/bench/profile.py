@@ -51,23 +51,42 @@ import time
 from tileinfer.core.registry import shaped_models
 
 MARKER = "_ncu_case_marker"
-SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis",
-            "MemoryWorkloadAnalysis")
+SECTIONS = (
+    "SpeedOfLight",
+    "Occupancy",
+    "LaunchStats",
+    "WarpStateStats",
+    "ComputeWorkloadAnalysis",
+    "MemoryWorkloadAnalysis",
+)
 EXTRA_METRICS = "dram__bytes_read.sum,dram__bytes_write.sum"  # in no section above (MemoryWorkloadAnalysis_Chart)
 DEFAULT_CASES = "decode:linear,decode:swiglu,decode:lm_head,decode:attention,prefill:linear,prefill:attention"
 CASE_FIELDS = ("model", "phase", "op", "shape", "variant")
-_TO_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3,
-          "second": 1e6, "s": 1e6}
-_TO_BYTES = {"byte": 1.0, "B": 1.0, "Kbyte": 1e3, "KB": 1e3, "Mbyte": 1e6, "MB": 1e6, "Gbyte": 1e9,
-             "GB": 1e9, "Tbyte": 1e12, "TB": 1e12}
+_TO_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
+_TO_BYTES = {
+    "byte": 1.0,
+    "B": 1.0,
+    "Kbyte": 1e3,
+    "KB": 1e3,
+    "Mbyte": 1e6,
+    "MB": 1e6,
+    "Gbyte": 1e9,
+    "GB": 1e9,
+    "Tbyte": 1e12,
+    "TB": 1e12,
+}
 # column -> metric names, first present wins (names differ between ncu versions and GPUs)
-_PCT = {"dram_pct": ("dram__throughput.avg.pct_of_peak_sustained_elapsed",
-                     "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
-        "mem_pct": ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",),
-        "sm_pct": ("sm__throughput.avg.pct_of_peak_sustained_elapsed",),
-        "occupancy_pct": ("sm__warps_active.avg.pct_of_peak_sustained_active",),
-        "theo_occupancy_pct": ("sm__maximum_warps_per_active_cycle_pct",),
-        "issue_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active",)}
+_PCT = {
+    "dram_pct": (
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+        "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    ),
+    "mem_pct": ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",),
+    "sm_pct": ("sm__throughput.avg.pct_of_peak_sustained_elapsed",),
+    "occupancy_pct": ("sm__warps_active.avg.pct_of_peak_sustained_active",),
+    "theo_occupancy_pct": ("sm__maximum_warps_per_active_cycle_pct",),
+    "issue_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active",),
+}
 _STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio$")
 _PIPE = re.compile(r"sm__(?:inst_executed_pipe_(\w+)|pipe_(\w+)_cycles_active)\.avg\.pct_of_peak_sustained_active$")
 
@@ -105,21 +124,31 @@ def _kernel_row(row: dict, units: dict) -> dict:
 
     us = val("gpu__time_duration.sum", _TO_US)
     rd, wr = val("dram__bytes_read.sum", _TO_BYTES), val("dram__bytes_write.sum", _TO_BYTES)
-    stalls = sorted(((m.group(1), v) for c in row if (m := _STALL.match(c)) and m.group(1) != "selected"
-                     and (v := val(c)) is not None), key=lambda kv: -kv[1])
+    stalls = sorted(
+        (
+            (m.group(1), v)
+            for c in row
+            if (m := _STALL.match(c)) and m.group(1) != "selected" and (v := val(c)) is not None
+        ),
+        key=lambda kv: -kv[1],
+    )
     pipes = [(m.group(1) or m.group(2), v) for c in row if (m := _PIPE.match(c)) and (v := val(c)) is not None]
     pipe = max(pipes, key=lambda kv: kv[1], default=None)
     regs = val("launch__registers_per_thread")
     pct = {k: val(c, nd=1) for k, c in _PCT.items()}
     if pct["issue_pct"] is None and (f := val("smsp__issue_active.avg.per_cycle_active")) is not None:
         pct["issue_pct"] = round(100 * f, 1)  # ncu 2025.3 reports the fraction of active cycles
-    return dict(kernel=_short(row.get("Kernel Name", "")), us=None if us is None else round(us, 2),
-                dram_GBps=round((rd + wr) / us / 1e3) if us and None not in (rd, wr) else None,
-                **pct, regs=None if regs is None else int(regs),
-                grid=row.get("Grid Size", "").replace(" ", "") or None,
-                block=row.get("Block Size", "").replace(" ", "") or None,
-                top_pipe=f"{pipe[0]} {pipe[1]:.1f}%" if pipe else None,
-                stalls=", ".join(f"{r} {v:.1f}" for r, v in stalls[:3]) or None)
+    return dict(
+        kernel=_short(row.get("Kernel Name", "")),
+        us=None if us is None else round(us, 2),
+        dram_GBps=round((rd + wr) / us / 1e3) if us and None not in (rd, wr) else None,
+        **pct,
+        regs=None if regs is None else int(regs),
+        grid=row.get("Grid Size", "").replace(" ", "") or None,
+        block=row.get("Block Size", "").replace(" ", "") or None,
+        top_pipe=f"{pipe[0]} {pipe[1]:.1f}%" if pipe else None,
+        stalls=", ".join(f"{r} {v:.1f}" for r, v in stalls[:3]) or None,
+    )
 
 
 def parse(raw_csv: str, manifest: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -139,12 +168,15 @@ def parse(raw_csv: str, manifest: list[dict]) -> tuple[list[dict], list[dict]]:
     units = dict(zip(names, next(reader, [])))
     rows = sorted((dict(zip(names, r)) for r in reader if r), key=lambda r: _num(r.get("ID")) or 0)
     if not isinstance(manifest, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("nbytes", 0), (int, float, type(None))) for m in manifest):
+        isinstance(m, dict) and isinstance(m.get("nbytes", 0), (int, float, type(None))) for m in manifest
+    ):
         raise ValueError("cases.json is not a list of (case, backend) entries as the profiling run writes")
     n_markers = sum(MARKER in r.get("Kernel Name", "") for r in rows)
     if n_markers != len(manifest):
-        raise ValueError(f"ncu report has {n_markers} case markers but the manifest lists {len(manifest)} "
-                         "(case, backend) entries: the run was cut short or the files are from different runs")
+        raise ValueError(
+            f"ncu report has {n_markers} case markers but the manifest lists {len(manifest)} "
+            "(case, backend) entries: the run was cut short or the files are from different runs"
+        )
     groups: list[tuple[dict, list]] = []
     for r in rows:
         if MARKER in r.get("Kernel Name", ""):
@@ -156,9 +188,15 @@ def parse(raw_csv: str, manifest: list[dict]) -> tuple[list[dict], list[dict]]:
         key = {f: m.get(f) for f in (*CASE_FIELDS, "backend")}
         kernels += [{**key, **k} for k in ks]
         us = round(sum(k["us"] or 0.0 for k in ks), 2)
-        summary.append(dict(key, kernels=len(ks), us=us,
-                            eff_GBps=round(m["nbytes"] / us / 1e3) if us and m.get("nbytes") else None,
-                            longest=max(ks, key=lambda k: k["us"] or 0.0)["kernel"] if ks else None))
+        summary.append(
+            dict(
+                key,
+                kernels=len(ks),
+                us=us,
+                eff_GBps=round(m["nbytes"] / us / 1e3) if us and m.get("nbytes") else None,
+                longest=max(ks, key=lambda k: k["us"] or 0.0)["kernel"] if ks else None,
+            )
+        )
     return kernels, summary
 
 
@@ -168,9 +206,14 @@ def parse(raw_csv: str, manifest: list[dict]) -> tuple[list[dict], list[dict]]:
 def select(cases: list, spec: str) -> list:
     """The cases matching any comma-separated ``phase:op[:variant][:shape-substring]`` filter."""
     filters = [(f.split(":", 3) + ["", "", ""])[:4] for f in spec.split(",") if f]
-    return [c for c in cases if any((not ph or c.phase == ph) and (not op or c.op == op)
-                                    and (not va or c.variant == va) and sh in c.shape
-                                    for ph, op, va, sh in filters)]
+    return [
+        c
+        for c in cases
+        if any(
+            (not ph or c.phase == ph) and (not op or c.op == op) and (not va or c.variant == va) and sh in c.shape
+            for ph, op, va, sh in filters
+        )
+    ]
 
 
 def _child(a) -> int:
@@ -214,8 +257,9 @@ def _child(a) -> int:
             torch.cuda.profiler.start()
             try:
                 _ncu_case_marker[(1,)](flag)
-                manifest.append(dict({f: getattr(c, f) for f in CASE_FIELDS}, backend=name,
-                                     nbytes=c.nbytes, flops=c.flops))
+                manifest.append(
+                    dict({f: getattr(c, f) for f in CASE_FIELDS}, backend=name, nbytes=c.nbytes, flops=c.flops)
+                )
                 fn(args)
                 torch.cuda.synchronize()
             except Exception as e:
@@ -235,9 +279,16 @@ def _child(a) -> int:
 
 def find_ncu(override: str | None = None) -> str | None:
     """``override``, else ncu on PATH, in /usr/local/cuda/bin, /opt/nvidia/nsight-compute/*, /usr/local/cuda*/bin."""
-    found = [override] if override else [shutil.which("ncu"), "/usr/local/cuda/bin/ncu",
-                                         *sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu")),
-                                         *sorted(glob.glob("/usr/local/cuda*/bin/ncu"))]
+    found = (
+        [override]
+        if override
+        else [
+            shutil.which("ncu"),
+            "/usr/local/cuda/bin/ncu",
+            *sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu")),
+            *sorted(glob.glob("/usr/local/cuda*/bin/ncu")),
+        ]
+    )
     return next((p for p in found if p and os.path.isfile(p) and os.access(p, os.X_OK)), None)
 
 
@@ -265,8 +316,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-32k", action="store_true", help="skip the 32k-context decode attention")
     p.add_argument("--timeout", type=float, default=480.0, help="seconds for the ncu run")
     p.add_argument("--ncu", help="path of ncu (default: searched)")
-    p.add_argument("--parse-only", action="store_true",
-                   help="only rebuild the tables from OUT/ncu_raw.csv and OUT/cases.json (no GPU, no ncu)")
+    p.add_argument(
+        "--parse-only",
+        action="store_true",
+        help="only rebuild the tables from OUT/ncu_raw.csv and OUT/cases.json (no GPU, no ncu)",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.out = os.path.abspath(a.out)
@@ -275,8 +329,7 @@ def main(argv=None) -> int:
     if a.parse_only:
         missing = [f for f in ("ncu_raw.csv", "cases.json") if not os.path.isfile(os.path.join(a.out, f))]
         if missing:
-            print(f"--parse-only: {a.out} has no {' or '.join(missing)} (written by a profiling run)",
-                  file=sys.stderr)
+            print(f"--parse-only: {a.out} has no {' or '.join(missing)} (written by a profiling run)", file=sys.stderr)
             return 2
         return write_tables(a.out, "tables rebuilt from ncu_raw.csv")
     a.models = ",".join(m for m in a.models.split(",") if m)
@@ -288,8 +341,13 @@ def main(argv=None) -> int:
         return 2
     ncu = find_ncu(a.ncu)
     if not ncu:
-        print(f"ncu: {a.ncu} is not an executable" if a.ncu else "ncu (Nsight Compute) not found on PATH, in "
-              "/usr/local/cuda*/bin or /opt/nvidia/nsight-compute/*: pass --ncu PATH", file=sys.stderr)
+        print(
+            f"ncu: {a.ncu} is not an executable"
+            if a.ncu
+            else "ncu (Nsight Compute) not found on PATH, in "
+            "/usr/local/cuda*/bin or /opt/nvidia/nsight-compute/*: pass --ncu PATH",
+            file=sys.stderr,
+        )
         return 2
     import torch
 
@@ -305,21 +363,52 @@ def main(argv=None) -> int:
     for stale in (rep + ".ncu-rep", manifest):  # never parse an earlier run's files
         with contextlib.suppress(FileNotFoundError):
             os.remove(stale)
-    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--target-processes", "all",
-           *[x for s in SECTIONS for x in ("--section", s)], "--metrics", EXTRA_METRICS, "-o", rep, "-f",
-           sys.executable, "-m", "tileinfer.bench.profile", "--child", "--backends", a.backends,
-           "--models", a.models, "--cases", a.cases, "--out", a.out, *(["--no-32k"] if a.no_32k else [])]
+    cmd = [
+        ncu,
+        "--profile-from-start",
+        "off",
+        "--clock-control",
+        "none",
+        "--target-processes",
+        "all",
+        *[x for s in SECTIONS for x in ("--section", s)],
+        "--metrics",
+        EXTRA_METRICS,
+        "-o",
+        rep,
+        "-f",
+        sys.executable,
+        "-m",
+        "tileinfer.bench.profile",
+        "--child",
+        "--backends",
+        a.backends,
+        "--models",
+        a.models,
+        "--cases",
+        a.cases,
+        "--out",
+        a.out,
+        *(["--no-32k"] if a.no_32k else []),
+    ]
     print("$ " + shlex.join(cmd), flush=True)
     t0 = time.perf_counter()
     rc = _stream(cmd, a.timeout)
     if not os.path.exists(rep + ".ncu-rep") or not os.path.exists(manifest):
-        print(f"ncu run exited {rc} after {time.perf_counter() - t0:.0f}s (limit {a.timeout:.0f}s) "
-              "without a report and a manifest", file=sys.stderr)
+        print(
+            f"ncu run exited {rc} after {time.perf_counter() - t0:.0f}s (limit {a.timeout:.0f}s) "
+            "without a report and a manifest",
+            file=sys.stderr,
+        )
         return 1
     if rc:
         print(f"warning: ncu exited {rc}; parsing the report anyway", file=sys.stderr)
-    exp = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--csv", "--page", "raw", "--print-units", "base"],
-                         check=False, capture_output=True, text=True)
+    exp = subprocess.run(
+        [ncu, "--import", rep + ".ncu-rep", "--csv", "--page", "raw", "--print-units", "base"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     if exp.returncode:
         print(f"ncu --import failed ({exp.returncode}): {exp.stderr.strip()[:500]}", file=sys.stderr)
         return 1
@@ -341,9 +430,12 @@ def write_tables(out: str, how: str) -> int:
     from tileinfer.bench.ops import _markdown
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "(parsed without a GPU)"
-    md = (f"Device {dev}; {time.strftime('%Y-%m-%d %H:%M')}; {how}\n\n"
-          + (_markdown(kernels, list(kernels[0])) if kernels else "no kernels profiled\n")
-          + "\n### Per case and backend\n\n" + (_markdown(summary, list(summary[0])) if summary else ""))
+    md = (
+        f"Device {dev}; {time.strftime('%Y-%m-%d %H:%M')}; {how}\n\n"
+        + (_markdown(kernels, list(kernels[0])) if kernels else "no kernels profiled\n")
+        + "\n### Per case and backend\n\n"
+        + (_markdown(summary, list(summary[0])) if summary else "")
+    )
     try:
         with open(os.path.join(out, "profile.md"), "w") as f:
             f.write(md)
@@ -356,6 +448,7 @@ def write_tables(out: str, how: str) -> int:
         return 1
     print(md)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

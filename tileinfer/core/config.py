@@ -93,7 +93,9 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", bias)),
                 qk_norm=qk_norm,
-                rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) != "default" else None,
+                rope_scaling=scaling
+                if scaling and scaling.get("rope_type", scaling.get("type")) != "default"
+                else None,
                 sliding_window=int(window) if window else None,
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=eos,

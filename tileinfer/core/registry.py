@@ -1,11 +1,12 @@
 """The model registry: the models ``conf/model/*.yaml`` declares, and their shapes.
 
-Each file is one Hydra config-group option (``model=NAME``) with a ``name``, a ``source``
-and, for every shipped model, a ``config`` (the architecture as config.json fields) (see :mod:`tileinfer.core.fetch`). ``config``
-is the one model-shape table of the project: benchmarks, ahead-of-time compilation and the kernel
-tests take their shapes from :func:`model_config`, and a job checks a loaded checkpoint against it
-(:func:`check_checkpoint_config`), so the table cannot drift from the real files. Random-weight
-models (``source.random``) are drawn with exactly these shapes.
+Each file is one Hydra config-group option (``model=NAME``) with a ``name``, a ``source`` (see
+:mod:`tileinfer.core.fetch`) and, for every shipped model, a ``config`` (the architecture as
+config.json fields). ``config`` is the one model-shape table of the project: benchmarks,
+ahead-of-time compilation and the kernel tests take their shapes from :func:`model_config`, and a
+job checks a loaded checkpoint against it (:func:`check_checkpoint_config`), so the table cannot
+drift from the real files. Random-weight models (``source.random``) are drawn with exactly these
+shapes.
 """
 
 from __future__ import annotations
@@ -20,9 +21,18 @@ from tileinfer.core.errors import UserError
 
 MODEL_CONF_DIR = Path(str(resources.files("tileinfer.conf") / "model"))  # conf/model, installed as tileinfer.conf
 # Fields of ``config`` a loaded checkpoint must agree with (the ones that set kernel shapes).
-SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-                "tie_word_embeddings")
+SHAPE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
 
 
 def known_models() -> list[str]:
@@ -71,7 +81,10 @@ def check_checkpoint_config(name: str, config: ModelConfig) -> None:
     if not isinstance(model_entry(name).get("config"), dict):
         return
     want = model_config(name)
-    bad = [f"{k} {getattr(config, k)} (conf/model says {getattr(want, k)})" for k in SHAPE_FIELDS
-           if getattr(config, k) != getattr(want, k)]
+    bad = [
+        f"{k} {getattr(config, k)} (conf/model says {getattr(want, k)})"
+        for k in SHAPE_FIELDS
+        if getattr(config, k) != getattr(want, k)
+    ]
     if bad:
         raise UserError(f"checkpoint of {name} does not match conf/model/{name}.yaml: {'; '.join(bad)}")

@@ -26,24 +26,44 @@ from tileinfer.core.errors import UserError
 
 # Pre-tokenizer split regexes, from llama.cpp's llama-vocab.cpp and transformers' tokenizer classes.
 _GPT2_SPLIT = None  # ByteLevel(use_regex=True) applies GPT-2's own regex
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp splits "\p{N}" first, then GPT-2's regex, as SmolLM2's own tokenizer.json does (Digits, ByteLevel).
 # transformers builds 'smollm' files with GPT-2's regex alone; the two differ only when a space precedes a
 # non-ASCII numeral (" ½"), and there we follow llama.cpp and the original tokenizer.
 _DIGITS_THEN_GPT2 = "digits"
 # 'default' follows transformers (GPT-2's regex), not llama.cpp's legacy default regex.
 PRE_TOKENIZERS = {
-    "default": _GPT2_SPLIT, "gpt2": _GPT2_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-    "smollm": _DIGITS_THEN_GPT2, "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2,
+    "default": _GPT2_SPLIT,
+    "gpt2": _GPT2_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "smollm": _DIGITS_THEN_GPT2,
+    "starcoder": _DIGITS_THEN_GPT2,
+    "refact": _DIGITS_THEN_GPT2,
 }
 # Tokens that end a turn besides the declared EOS (llama.cpp's end-of-generation list, llama-vocab.cpp).
-TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
-                   "<end_of_turn>", "<EOT>", "<｜end▁of▁sentence｜>")
+TURN_END_TOKENS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<EOT>",
+    "<｜end▁of▁sentence｜>",
+)
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types (gguf.TokenType)
 
 
@@ -73,9 +93,17 @@ class Tokenizer:
         chat_template: jinja source or None.
     """
 
-    def __init__(self, backend: Backend, *, bos_token: str | None, eos_token: str | None,
-                 chat_template: str | None, extra_eos_ids=(), unk_token: str | None = None,
-                 pad_token: str | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        chat_template: str | None,
+        extra_eos_ids=(),
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+    ):
         self.backend = backend
         self.bos_token, self.eos_token, self.unk_token, self.pad_token = bos_token, eos_token, unk_token, pad_token
         self.chat_template = chat_template
@@ -121,8 +149,11 @@ class Tokenizer:
             template = (folder / "chat_template.jinja").read_text()
         if "add_bos_token" in cfg or "add_eos_token" in cfg:
             # transformers rebuilds the post-processor when the config states these flags explicitly.
-            _set_post_processor(backend, names["bos_token"] if cfg.get("add_bos_token") else None,
-                                names["eos_token"] if cfg.get("add_eos_token") else None)
+            _set_post_processor(
+                backend,
+                names["bos_token"] if cfg.get("add_bos_token") else None,
+                names["eos_token"] if cfg.get("add_eos_token") else None,
+            )
         eos = _read_json(folder / "generation_config.json").get("eos_token_id")
         extra = eos if isinstance(eos, list) else [eos] if eos is not None else []
         return cls(backend, chat_template=template, extra_eos_ids=extra, **names)
@@ -145,8 +176,10 @@ class Tokenizer:
         md = gguf_metadata(path)
         kind = md.get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise UserError(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-                            "use the model's transformers folder instead")
+            raise UserError(
+                f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
+                "use the model's transformers folder instead"
+            )
         pre = md.get("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
             raise UserError(f"{path}: unknown pre-tokenizer {pre!r}; supported: {', '.join(sorted(PRE_TOKENIZERS))}")
@@ -155,11 +188,22 @@ class Tokenizer:
         alphabet = set(_byte_alphabet().values())
         spelling = _byte_alphabet()
         # A token stored with characters outside the byte alphabet is respelled byte by byte (transformers does too).
-        vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-                 for i, t in enumerate(tokens)}
+        vocab = {
+            (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+            for i, t in enumerate(tokens)
+        }
         merges = [tuple(m.split(" ")) for m in md.get("tokenizer.ggml.merges", [])]
-        backend = Backend(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                              end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+        backend = Backend(
+            BPE(
+                vocab=vocab,
+                merges=merges,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+                byte_fallback=False,
+            )
+        )
         split = PRE_TOKENIZERS[pre]
         gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex, then bytes
         if split is None:
@@ -167,25 +211,45 @@ class Tokenizer:
         elif split == _DIGITS_THEN_GPT2:
             backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
         else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         backend.decoder = decoders.ByteLevel()
         # Control tokens (<|im_start|>...) must match whole in text, and are skipped by decode(skip_special_tokens).
         # One spelled outside the byte alphabet is a llama.cpp mislabel; transformers skips those too.
-        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                    for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet])
-        backend.add_tokens([AddedToken(t, normalized=False, special=False)
-                            for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
+        backend.add_special_tokens(
+            [
+                AddedToken(t, normalized=False, special=True)
+                for t, k in zip(tokens, types)
+                if k == _CONTROL and set(t) <= alphabet
+            ]
+        )
+        backend.add_tokens(
+            [
+                AddedToken(t, normalized=False, special=False)
+                for t, k in zip(tokens, types)
+                if k == _USER_DEFINED and t in vocab
+            ]
+        )
 
         def token(key):
             i = md.get(f"tokenizer.ggml.{key}")
             return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-        names = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
-                 "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
-        _set_post_processor(backend, names["bos_token"] if md.get("tokenizer.ggml.add_bos_token") else None,
-                            names["eos_token"] if md.get("tokenizer.ggml.add_eos_token") else None)
+        names = {
+            "bos_token": token("bos_token_id"),
+            "eos_token": token("eos_token_id"),
+            "unk_token": token("unknown_token_id"),
+            "pad_token": token("padding_token_id"),
+        }
+        _set_post_processor(
+            backend,
+            names["bos_token"] if md.get("tokenizer.ggml.add_bos_token") else None,
+            names["eos_token"] if md.get("tokenizer.ggml.add_eos_token") else None,
+        )
         extra = [md[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in md]
         return cls(backend, chat_template=md.get("tokenizer.chat_template"), extra_eos_ids=extra, **names)
 
@@ -195,9 +259,17 @@ class Tokenizer:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(folder / "tokenizer.json"))
-        cfg = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
-                                 ("unk_token", self.unk_token), ("pad_token", self.pad_token),
-                                 ("chat_template", self.chat_template)) if v is not None}
+        cfg = {
+            k: v
+            for k, v in (
+                ("bos_token", self.bos_token),
+                ("eos_token", self.eos_token),
+                ("unk_token", self.unk_token),
+                ("pad_token", self.pad_token),
+                ("chat_template", self.chat_template),
+            )
+            if v is not None
+        }
         (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
         (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(self.eos_token_ids)}))
 
@@ -224,12 +296,24 @@ class Tokenizer:
         """
         if not self.chat_template:
             raise UserError("this model has no chat template; pass a plain prompt instead")
-        special = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
-                                     ("unk_token", self.unk_token), ("pad_token", self.pad_token)) if v is not None}
+        special = {
+            k: v
+            for k, v in (
+                ("bos_token", self.bos_token),
+                ("eos_token", self.eos_token),
+                ("unk_token", self.unk_token),
+                ("pad_token", self.pad_token),
+            )
+            if v is not None
+        }
         try:
             return _compile(self.chat_template).render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                **{**special, **kwargs})
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{**special, **kwargs},
+            )
         except jinja2.TemplateError as e:
             raise UserError(f"chat template error: {e}") from None
 
@@ -276,8 +360,9 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 @lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -33,9 +33,14 @@ class Reply:
     stop_reason: str  # "eos" or "length"
 
 
-def generate(runner: ModelRunner, prompt: list[int], max_new_tokens: int,
-             sampling: SamplingParams = SamplingParams(), stop_ids=frozenset(),
-             progress: str | None = None) -> Reply:
+def generate(
+    runner: ModelRunner,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    stop_ids=frozenset(),
+    progress: str | None = None,
+) -> Reply:
     """Prefill ``prompt`` in a new sequence, then decode until a stop id or ``max_new_tokens``.
 
     The sequence's pages are released at the end. Raises UserError (from the runner) when prompt
@@ -56,8 +61,14 @@ def generate(runner: ModelRunner, prompt: list[int], max_new_tokens: int,
         runner.check_length(seq, len(prompt) + max_new_tokens - 1)
         token = choose(runner.prefill(seq, prompt, progress=progress and f"{progress} prefill"))
         out = [token]
-        bar = tqdm(total=max_new_tokens, initial=1, desc=progress and f"{progress} decode", unit="tok",
-                   leave=False, disable=progress is None)
+        bar = tqdm(
+            total=max_new_tokens,
+            initial=1,
+            desc=progress and f"{progress} decode",
+            unit="tok",
+            leave=False,
+            disable=progress is None,
+        )
         while token not in stop_ids and len(out) < max_new_tokens:
             token = choose(runner.decode(seq, token))
             out.append(token)

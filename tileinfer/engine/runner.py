@@ -47,20 +47,34 @@ class ModelRunner:
         UserError: ``max_seq_len`` larger than the model's context.
     """
 
-    def __init__(self, model: Transformer, backend="reference", kv_int8: bool = False,
-                 max_seq_len: int | None = None, page_size: int = 64, prefill_chunk: int = 512,
-                 cuda_graph: bool = False):
+    def __init__(
+        self,
+        model: Transformer,
+        backend="reference",
+        kv_int8: bool = False,
+        max_seq_len: int | None = None,
+        page_size: int = 64,
+        prefill_chunk: int = 512,
+        cuda_graph: bool = False,
+    ):
         c = model.config
         self.model = model
         self.ops = get_backend(backend) if isinstance(backend, str) else backend
         self.max_seq_len = max_seq_len or c.max_position_embeddings
         if self.max_seq_len > c.max_position_embeddings:
-            raise UserError(f"{self.max_seq_len} positions exceed the model's context of "
-                            f"{c.max_position_embeddings}")
+            raise UserError(f"{self.max_seq_len} positions exceed the model's context of {c.max_position_embeddings}")
         self.page_size, self.prefill_chunk = page_size, prefill_chunk
         self.max_pages = -(-self.max_seq_len // page_size)
-        self.kv = PagedKVCache(c.num_hidden_layers, self.max_pages, page_size, c.num_key_value_heads,
-                               c.head_dim, model.dtype, kv_int8, model.device)
+        self.kv = PagedKVCache(
+            c.num_hidden_layers,
+            self.max_pages,
+            page_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            model.dtype,
+            kv_int8,
+            model.device,
+        )
         self.blocks = BlockManager(self.max_pages)
         self.cuda_graph = uses_cuda_graph(cuda_graph, self.device, self.ops)
         self._decode_graph: DecodeGraph | None = None
@@ -77,12 +91,16 @@ class ModelRunner:
         """Raise UserError when ``n`` more tokens would not fit the context (or sliding window)."""
         end = seq.length + n
         if end > self.max_seq_len:
-            raise UserError(f"sequence of {end} tokens exceeds the runner's limit of {self.max_seq_len} "
-                            f"(model context {self.model.config.max_position_embeddings})")
+            raise UserError(
+                f"sequence of {end} tokens exceeds the runner's limit of {self.max_seq_len} "
+                f"(model context {self.model.config.max_position_embeddings})"
+            )
         window = self.model.config.sliding_window
         if window and end > window:
-            raise UserError(f"sequence of {end} tokens exceeds the model's sliding window of {window}, "
-                            "which this engine does not implement")
+            raise UserError(
+                f"sequence of {end} tokens exceeds the model's sliding window of {window}, "
+                "which this engine does not implement"
+            )
 
     def step(self, seq: Sequence, tokens: torch.Tensor, logit_rows=None) -> torch.Tensor:
         """One forward pass over ``tokens`` [T] appended to ``seq``; float32 logits [R, vocab]."""
@@ -90,13 +108,15 @@ class ModelRunner:
         self.check_length(seq, T)
         seq.reserve(T)
         positions = torch.arange(seq.length, seq.length + T, dtype=torch.int32, device=self.device)
-        logits = self.model.forward(self.ops, tokens.to(self.device), positions, self.kv,
-                                    seq.block_table_tensor, logit_rows)
+        logits = self.model.forward(
+            self.ops, tokens.to(self.device), positions, self.kv, seq.block_table_tensor, logit_rows
+        )
         seq.length += T
         return logits
 
-    def chunks(self, seq: Sequence, tokens, logits_from: int | None = None,
-               progress: str | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    def chunks(
+        self, seq: Sequence, tokens, logits_from: int | None = None, progress: str | None = None
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """Prefill ``tokens`` in chunks; yield ``(position, logits)`` for scored rows.
 
         Rows at sequence positions >= ``logits_from`` get logits; each chunk yields the position of
@@ -109,7 +129,7 @@ class ModelRunner:
         n = tokens.shape[0]
         bar = tqdm(total=n, desc=progress, unit="tok", leave=False, disable=progress is None)
         for start in range(0, n, self.prefill_chunk):
-            chunk = tokens[start:start + self.prefill_chunk]
+            chunk = tokens[start : start + self.prefill_chunk]
             first = seq.length
             if logits_from is None:
                 rows = slice(-1, None) if start + chunk.shape[0] == n else slice(0, 0)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from evals.metrics import MetricsAccumulator, greedy_agreement_length
 from evals.base_logits import FullLogits
+from evals.metrics import MetricsAccumulator, greedy_agreement_length
 from tileinfer.core.errors import NonFiniteLogits
 from tileinfer.engine.generation import generate
 from tileinfer.engine.runner import ModelRunner
@@ -35,7 +35,7 @@ class Stream:
 
     @property
     def reply(self) -> tuple[int, ...]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
 
 def load_stream(cache_file: Path, prompt: list[int], n_reply: int) -> Stream | None:
@@ -60,7 +60,7 @@ def save_stream(stream: Stream, n_reply: int, cache_file: Path) -> None:
     """Save a stream atomically for :func:`load_stream` (once its logits proved finite)."""
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-    prompt = list(stream.tokens[:stream.prompt_len])
+    prompt = list(stream.tokens[: stream.prompt_len])
     tmp.write_text(json.dumps({"prompt": prompt, "reply": list(stream.reply), "n_reply": n_reply}))
     os.replace(tmp, cache_file)
 
@@ -69,8 +69,10 @@ def check_finite(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` unchanged, or NonFiniteLogits when any is NaN or infinite (a corrupt checkpoint or a
     broken kernel: every metric computed from them would be meaningless)."""
     if not bool(torch.isfinite(logits).all()):
-        raise NonFiniteLogits("the model produced non-finite logits (NaN or inf): a corrupt checkpoint, "
-                              "a dtype that overflows, or a broken kernel; nothing was written")
+        raise NonFiniteLogits(
+            "the model produced non-finite logits (NaN or inf): a corrupt checkpoint, "
+            "a dtype that overflows, or a broken kernel; nothing was written"
+        )
     return logits
 
 
@@ -83,8 +85,9 @@ class PassResult:
     decode_steps: int
 
 
-def teacher_forced(runner: ModelRunner, stream, decode_steps: int = 0,
-                   timings: list | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+def teacher_forced(
+    runner: ModelRunner, stream, decode_steps: int = 0, timings: list | None = None
+) -> Iterator[tuple[int, torch.Tensor]]:
     """Run ``stream`` through ``runner``; yield ``(i, logits)`` chunks of the scored positions.
 
     ``stream`` is anything with ``tokens`` (prompt then reply) and ``prompt_len``: a :class:`Stream`
@@ -98,7 +101,7 @@ def teacher_forced(runner: ModelRunner, stream, decode_steps: int = 0,
     seq = runner.new_sequence()
     try:
         tokens = [int(t) for t in stream.tokens]
-        prompt, reply = tokens[:stream.prompt_len], tokens[stream.prompt_len:]
+        prompt, reply = tokens[: stream.prompt_len], tokens[stream.prompt_len :]
         runner.synchronize()
         t0 = time.perf_counter()
         first = runner.prefill(seq, prompt, progress="prefill")
@@ -133,7 +136,7 @@ def warm_up(runner: ModelRunner, stream) -> None:
     try:
         n = min(stream.prompt_len, 2 * runner.prefill_chunk)
         runner.prefill(seq, [int(t) for t in stream.tokens[:n]])
-        for t in stream.tokens[n:n + 2]:
+        for t in stream.tokens[n : n + 2]:
             runner.decode(seq, int(t))
         runner.synchronize()
     finally:

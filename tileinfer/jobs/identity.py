@@ -12,8 +12,19 @@ import hashlib
 import json
 
 # The configuration under test: model file, quantization, dtype, backend, speculative decoding.
-CONFIG = ("model", "model_sha256", "quant", "weights", "kv_cache", "smooth_keys", "smooth_alpha",
-          "calibration_tokens", "dtype", "backend", "spec")
+CONFIG = (
+    "model",
+    "model_sha256",
+    "quant",
+    "weights",
+    "kv_cache",
+    "smooth_keys",
+    "smooth_alpha",
+    "calibration_tokens",
+    "dtype",
+    "backend",
+    "spec",
+)
 # How it is scored: prompt, scored window, base side, and the runner settings that reorder sums.
 SCORING = ("ctx", "ctx_tokens", "prompt_set", "n_score", "base", "top_k", "page_size", "prefill_chunk")
 # How speed is timed (no effect on drift).

@@ -18,21 +18,22 @@ from pathlib import Path
 
 import torch
 
-from evals.prompts import PROMPT_SETS, build_prompt, build_text_prompt, load_text_prompts
 from evals.base_logits import FullLogits, TopKLogits
-from quantize import QuantScheme, apply as apply_quant
+from evals.prompts import PROMPT_SETS, build_prompt, build_text_prompt, load_text_prompts
+from quantize import QuantScheme
+from quantize import apply as apply_quant
 from tileinfer import ops
-from tileinfer.jobs import drift, identity, tables
-from tileinfer.jobs.schema import Config
 from tileinfer.core.checkpoint import Checkpoint, load_checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
-from tileinfer.models import Transformer
 from tileinfer.core.fetch import pull
 from tileinfer.core.registry import check_checkpoint_config
-from tileinfer.engine.runner import ModelRunner, uses_cuda_graph
 from tileinfer.core.tokenizer import Tokenizer
+from tileinfer.engine.runner import ModelRunner, uses_cuda_graph
+from tileinfer.jobs import drift, identity, tables
+from tileinfer.jobs.schema import Config
+from tileinfer.models import Transformer
 
 _MODEL: dict = {}  # the last loaded BF16 model: {key: (checkpoint, tokenizer, Transformer)}
 _QUANTIZED: dict = {}  # the last quantized model built from it: {(model key, scheme): Transformer}
@@ -67,11 +68,14 @@ def fit_ctx(cfg: Config, max_ctx: int) -> int:
     """
     want, tail = cfg.ctx.tokens, max(cfg.eval.n_score, cfg.speed.decode_tokens)
     if want > max_ctx:
-        raise UserError(f"ctx={cfg.ctx.name} ({want} tokens) exceeds the context of "
-                        f"{cfg.model.name} ({max_ctx} tokens)")
+        raise UserError(
+            f"ctx={cfg.ctx.name} ({want} tokens) exceeds the context of {cfg.model.name} ({max_ctx} tokens)"
+        )
     if tail >= max_ctx:
-        raise UserError(f"eval.n_score={cfg.eval.n_score} leaves no room for a prompt in the "
-                        f"{max_ctx}-token context of {cfg.model.name}")
+        raise UserError(
+            f"eval.n_score={cfg.eval.n_score} leaves no room for a prompt in the "
+            f"{max_ctx}-token context of {cfg.model.name}"
+        )
     return min(want, max_ctx - tail)
 
 
@@ -111,8 +115,12 @@ def load_model(cfg: Config, device: torch.device) -> Loaded:
         if rnd is not None:  # random weights with a real model's shapes, drawn on the device
             hf, path = cfg.model.config, None
             tok_path = Path(rnd["tokenizer"]) if Path(rnd["tokenizer"]).is_dir() else pull(rnd["tokenizer"])
-            ck = Checkpoint(Path(f"random:{cfg.model.name}"), ModelConfig.from_hf(hf), hf,
-                            random_state_dict(hf, int(rnd["seed"]), dtype, device))
+            ck = Checkpoint(
+                Path(f"random:{cfg.model.name}"),
+                ModelConfig.from_hf(hf),
+                hf,
+                random_state_dict(hf, int(rnd["seed"]), dtype, device),
+            )
         else:
             path = tok_path = pull(cfg.model.name)
             ck = load_checkpoint(path, dtype=dtype)
@@ -131,8 +139,9 @@ def model_for(loaded: Loaded, scheme: QuantScheme) -> tuple[Transformer, dict]:
     if key not in _QUANTIZED:
         _QUANTIZED.clear()
         sd, info = apply_quant(loaded.checkpoint, None, scheme, loaded.tokenizer, progress=True, device=loaded.device)
-        model = Transformer.from_state_dict(loaded.checkpoint.config, sd, dtype=loaded.model.dtype,
-                                            device=loaded.device)
+        model = Transformer.from_state_dict(
+            loaded.checkpoint.config, sd, dtype=loaded.model.dtype, device=loaded.device
+        )
         _QUANTIZED[key] = (model, info)
     return _QUANTIZED[key]
 
@@ -144,8 +153,10 @@ def prompt_sets(cfg: Config, tok: Tokenizer, ctx_tokens: int) -> dict[str, list[
         if name in PROMPT_SETS:
             out[name] = [build_prompt(tok, name, ctx_tokens)]
         elif not Path(name).suffix and not Path(name).exists():
-            raise UserError(f"unknown prompt set {name!r}: the built-in sets are {', '.join(PROMPT_SETS)}; "
-                            "other prompts come from a .txt or .jsonl file")
+            raise UserError(
+                f"unknown prompt set {name!r}: the built-in sets are {', '.join(PROMPT_SETS)}; "
+                "other prompts come from a .txt or .jsonl file"
+            )
         else:
             out[Path(name).stem] = [build_text_prompt(tok, t, ctx_tokens) for t in load_text_prompts(name)]
     return out
@@ -190,44 +201,75 @@ class Job:
     def runner(self, backend: str, scheme: QuantScheme) -> tuple[ModelRunner, dict]:
         model, info = model_for(self.loaded, scheme)
         kv = self.cfg.kv
-        return ModelRunner(model, backend=backend, kv_int8=scheme.kv_cache == "int8", max_seq_len=self.max_len,
-                           page_size=kv.page_size, prefill_chunk=kv.prefill_chunk,
-                           cuda_graph=self.cfg.speed.cuda_graph), info
+        return ModelRunner(
+            model,
+            backend=backend,
+            kv_int8=scheme.kv_cache == "int8",
+            max_seq_len=self.max_len,
+            page_size=kv.page_size,
+            prefill_chunk=kv.prefill_chunk,
+            cuda_graph=self.cfg.speed.cuda_graph,
+        ), info
 
     def stored_base_path(self, prompt_set: str, i: int) -> Path:
         """File of the stored base logits recorded for this job's base configuration."""
         c = self.cfg
-        name = (f"{self.base_backend}-{quant_label(self.base_quant_name, self.base_scheme)}-{prompt_set}{i}"
-                f"-ctx{self.ctx_tokens}-n{c.eval.n_score}.topk")
+        name = (
+            f"{self.base_backend}-{quant_label(self.base_quant_name, self.base_scheme)}-{prompt_set}{i}"
+            f"-ctx{self.ctx_tokens}-n{c.eval.n_score}.topk"
+        )
         return Path(c.base.dir) / c.model.name / name
 
     def identity(self, prompt_set: str) -> dict:
         """The identity columns of this job's row for ``prompt_set`` (tileinfer.jobs.identity)."""
         c, s = self.cfg, self.scheme
-        return identity.key_of(dict(
-            model=c.model.name, model_sha256=self.loaded.model_id, quant=c.quant.name, weights=s.weights,
-            kv_cache=s.kv_cache, smooth_keys=s.smooth_keys, smooth_alpha=s.smooth_alpha if s.smooth_keys else None,
-            calibration_tokens=s.calibration_tokens if s.smoothing else None, dtype=c.dtype,
-            backend=c.backend.name, spec=c.spec.name, ctx=c.ctx.name, ctx_tokens=self.ctx_tokens,
-            prompt_set=prompt_set, n_score=c.eval.n_score, base=self.base_label,
-            top_k=c.base.top_k if c.base.source == "stored" else None, page_size=c.kv.page_size,
-            prefill_chunk=c.kv.prefill_chunk, decode_tokens=c.speed.decode_tokens,
-            decode_cuda_graph=uses_cuda_graph(c.speed.cuda_graph, self.loaded.device, ops.get_backend(c.backend.name)),
-            device=tables.device_name(self.loaded.device), cpu_threads=self.cpu_threads))
+        return identity.key_of(
+            dict(
+                model=c.model.name,
+                model_sha256=self.loaded.model_id,
+                quant=c.quant.name,
+                weights=s.weights,
+                kv_cache=s.kv_cache,
+                smooth_keys=s.smooth_keys,
+                smooth_alpha=s.smooth_alpha if s.smooth_keys else None,
+                calibration_tokens=s.calibration_tokens if s.smoothing else None,
+                dtype=c.dtype,
+                backend=c.backend.name,
+                spec=c.spec.name,
+                ctx=c.ctx.name,
+                ctx_tokens=self.ctx_tokens,
+                prompt_set=prompt_set,
+                n_score=c.eval.n_score,
+                base=self.base_label,
+                top_k=c.base.top_k if c.base.source == "stored" else None,
+                page_size=c.kv.page_size,
+                prefill_chunk=c.kv.prefill_chunk,
+                decode_tokens=c.speed.decode_tokens,
+                decode_cuda_graph=uses_cuda_graph(
+                    c.speed.cuda_graph, self.loaded.device, ops.get_backend(c.backend.name)
+                ),
+                device=tables.device_name(self.loaded.device),
+                cpu_threads=self.cpu_threads,
+            )
+        )
 
     def row_path(self, prompt_set: str) -> Path:
         """Where the row of one prompt set lives: a readable label plus a hash of its identity."""
         c = self.cfg
         label = f"{quant_label(c.quant.name, self.scheme)}-{c.ctx.name}-{prompt_set}"
-        return (Path(c.runs_dir) / "rows" / c.model.name / c.backend.name
-                / identity.row_file_name(self.identity(prompt_set), label))
+        return (
+            Path(c.runs_dir)
+            / "rows"
+            / c.model.name
+            / c.backend.name
+            / identity.row_file_name(self.identity(prompt_set), label)
+        )
 
     def base_logits(self, prompt_set: str, base_runner: ModelRunner | None) -> list:
         """The base logits of a prompt set's prompts: stored top-k files, or computed live."""
         c = self.cfg
         if c.base.source == "stored":
-            base = [TopKLogits.load(self.stored_base_path(prompt_set, i))
-                    for i in range(len(self.prompts[prompt_set]))]
+            base = [TopKLogits.load(self.stored_base_path(prompt_set, i)) for i in range(len(self.prompts[prompt_set]))]
             if any(b.prompt_len != self.ctx_tokens for b in base):
                 raise UserError(f"stored base logits for {prompt_set} have another ctx than {self.ctx_tokens}")
             return base
@@ -236,14 +278,26 @@ class Job:
     def live_base(self, prompt_set: str, base_runner: ModelRunner) -> list[FullLogits]:
         """Streams (greedy replies, cached on disk) and full logits of the base configuration."""
         c, tok, ck = self.cfg, self.loaded.tokenizer, self.loaded.checkpoint
-        key = (self.loaded.model_id, self.base_backend, repr(self.base_scheme), c.dtype, prompt_set,
-               self.ctx_tokens, c.eval.n_score)
+        key = (
+            self.loaded.model_id,
+            self.base_backend,
+            repr(self.base_scheme),
+            c.dtype,
+            prompt_set,
+            self.ctx_tokens,
+            c.eval.n_score,
+        )
         if key in _BASE_LOGITS:
             _BASE_LOGITS.move_to_end(key)
             return _BASE_LOGITS[key]
         stop = set(tok.eos_token_ids) | set(ck.config.eos_token_id)
-        cache = (Path(c.runs_dir) / "cache" / "streams" / f"{c.model.name}-{self.loaded.model_id[:12]}"
-                 / f"{self.base_backend}-{quant_label(self.base_quant_name, self.base_scheme)}-{c.dtype}-{self.device_label}")
+        cache = (
+            Path(c.runs_dir)
+            / "cache"
+            / "streams"
+            / f"{c.model.name}-{self.loaded.model_id[:12]}"
+            / f"{self.base_backend}-{quant_label(self.base_quant_name, self.base_scheme)}-{c.dtype}-{self.device_label}"
+        )
         base = []
         for i, prompt in enumerate(self.prompts[prompt_set]):
             f = cache / f"{prompt_set}{i}-ctx{self.ctx_tokens}-n{c.eval.n_score}.json"
@@ -255,8 +309,10 @@ class Job:
             if fresh:
                 drift.save_stream(stream, c.eval.n_score, f)  # only now: its logits are finite
         _BASE_LOGITS[key] = base
-        while len(_BASE_LOGITS) > 1 and sum(
-                b.logits.numel() * 4 for bs in _BASE_LOGITS.values() for b in bs) > _BASE_LOGITS_BYTES:
+        while (
+            len(_BASE_LOGITS) > 1
+            and sum(b.logits.numel() * 4 for bs in _BASE_LOGITS.values() for b in bs) > _BASE_LOGITS_BYTES
+        ):
             _BASE_LOGITS.popitem(last=False)
         return base
 
@@ -278,7 +334,9 @@ def resolve(cfg: Config) -> Job:
     base_scheme = scheme if cfg.base.quant == "same" else QuantScheme("bf16", "bf16").effective()
     loaded = load_model(cfg, device)
     ctx_tokens = fit_ctx(cfg, loaded.checkpoint.config.max_position_embeddings)
-    return Job(cfg, loaded, scheme, base_backend, base_scheme, ctx_tokens, prompt_sets(cfg, loaded.tokenizer, ctx_tokens))
+    return Job(
+        cfg, loaded, scheme, base_backend, base_scheme, ctx_tokens, prompt_sets(cfg, loaded.tokenizer, ctx_tokens)
+    )
 
 
 def run(cfg: Config, force: bool = False) -> list[Path]:
@@ -302,11 +360,15 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
             torch.cuda.reset_peak_memory_stats(device)
         ops.reset_fallbacks()
         results = [drift.score(cand_runner, b, cfg.speed.decode_tokens) for b in base]
-        row = tables.make_row(job.identity(set_name), results, device=device,
-                              weights_bytes=cand_runner.model.weight_bytes(),
-                              kv_bytes=cand_runner.kv.bytes_per_position() * job.max_len,
-                              wall_s=time.perf_counter() - t0,
-                              kl_estimate="exact" if isinstance(base[0], FullLogits) else f"topk{base[0].k}+tail",
-                              fallbacks=ops.fallbacks())
+        row = tables.make_row(
+            job.identity(set_name),
+            results,
+            device=device,
+            weights_bytes=cand_runner.model.weight_bytes(),
+            kv_bytes=cand_runner.kv.bytes_per_position() * job.max_len,
+            wall_s=time.perf_counter() - t0,
+            kl_estimate="exact" if isinstance(base[0], FullLogits) else f"topk{base[0].k}+tail",
+            fallbacks=ops.fallbacks(),
+        )
         tables.write_row(path, row, {k: torch.cat([r[1][k] for r in results]) for k in ("kl", "top1_agree", "dp")})
     return list(todo.values())

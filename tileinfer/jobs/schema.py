@@ -54,9 +54,14 @@ class QuantGroup:
 
     def scheme(self) -> QuantScheme:
         """The effective scheme (smoothing dropped where it cannot act)."""
-        return QuantScheme(weights=self.weights, kv_cache=self.kv_cache, smooth_keys=self.smooth_keys,
-                           smooth_alpha=self.smooth_alpha, calibration=self.calibration,
-                           calibration_tokens=self.calibration_tokens).effective()
+        return QuantScheme(
+            weights=self.weights,
+            kv_cache=self.kv_cache,
+            smooth_keys=self.smooth_keys,
+            smooth_alpha=self.smooth_alpha,
+            calibration=self.calibration,
+            calibration_tokens=self.calibration_tokens,
+        ).effective()
 
 
 @dataclass
@@ -126,11 +131,13 @@ class GateSettings:
             raise UserError("gate.bounds: expected bounds per setup, e.g. gate.bounds.bfloat16.kl_mean=1e-3")
         for setup, b in self.bounds.items():
             for metric, hi in (("kl_mean", None), ("kl_p999", None), ("top1_agree", 1.0)):
-                check_number(f"gate.bounds.{setup}.{metric}", b.get(metric) if isinstance(b, dict) else None,
-                             lo=0.0, hi=hi)
+                check_number(
+                    f"gate.bounds.{setup}.{metric}", b.get(metric) if isinstance(b, dict) else None, lo=0.0, hi=hi
+                )
         for metric in ("kl_mean", "kl_p999"):
-            check_number(f"gate.floor.{metric}", self.floor.get(metric) if isinstance(self.floor, dict) else None,
-                         lo=0.0)
+            check_number(
+                f"gate.floor.{metric}", self.floor.get(metric) if isinstance(self.floor, dict) else None, lo=0.0
+            )
 
 
 @dataclass

@@ -21,18 +21,34 @@ from evals.metrics import summarize
 from tileinfer.jobs.identity import RENAMED
 
 # Columns shown when a table is printed (all columns are saved).
-SHOWN = ["model", "quant", "smooth_keys", "ctx", "prompt_set", "backend", "kl_mean", "kl_p99",
-         "kl_max", "top1_agree", "greedy_agree_len", "n_scored", "prefill_tok_s", "decode_tok_s"]
+SHOWN = [
+    "model",
+    "quant",
+    "smooth_keys",
+    "ctx",
+    "prompt_set",
+    "backend",
+    "kl_mean",
+    "kl_p99",
+    "kl_max",
+    "top1_agree",
+    "greedy_agree_len",
+    "n_scored",
+    "prefill_tok_s",
+    "decode_tok_s",
+]
 REPO = Path(__file__).resolve().parents[2]  # the checkout (site-packages when installed: commit unknown)
 
 
 def git_commit() -> str:
     """Short commit of the code that ran, ``-dirty`` when it had uncommitted changes."""
     try:
-        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -44,8 +60,17 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def make_row(key: dict, results: list[tuple[dict, dict]], *, device: torch.device, weights_bytes: int,
-             kv_bytes: int, wall_s: float, kl_estimate: str, fallbacks: list[str]) -> dict:
+def make_row(
+    key: dict,
+    results: list[tuple[dict, dict]],
+    *,
+    device: torch.device,
+    weights_bytes: int,
+    kv_bytes: int,
+    wall_s: float,
+    kl_estimate: str,
+    fallbacks: list[str],
+) -> dict:
     """One table row from the :func:`tileinfer.jobs.drift.score` results of a prompt set's prompts.
 
     Args:
@@ -68,11 +93,18 @@ def make_row(key: dict, results: list[tuple[dict, dict]], *, device: torch.devic
             stats[k] = sum(r[0][k] for r in results) / len(results)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {
-        **key, "n_prompts": len(results), **stats,
-        "weights_bytes": weights_bytes, "kv_cache_bytes": kv_bytes, "peak_mem_bytes": peak,
-        "kl_estimate": kl_estimate, "fallbacks": "; ".join(fallbacks),
-        "torch": torch.__version__, "git_commit": git_commit(),
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": wall_s,
+        **key,
+        "n_prompts": len(results),
+        **stats,
+        "weights_bytes": weights_bytes,
+        "kv_cache_bytes": kv_bytes,
+        "peak_mem_bytes": peak,
+        "kl_estimate": kl_estimate,
+        "fallbacks": "; ".join(fallbacks),
+        "torch": torch.__version__,
+        "git_commit": git_commit(),
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": wall_s,
     }
 
 
@@ -90,8 +122,9 @@ def atomic_parquet(df: pl.DataFrame, path: Path) -> None:
 
 def write_row(path: Path, row: dict, per_position: dict[str, torch.Tensor]) -> None:
     """Write the per-position table, then the row (the row's presence marks the job done)."""
-    pos = pl.DataFrame({"position": list(range(len(per_position["kl"])))}
-                       | {k: v.cpu().numpy() for k, v in per_position.items()})
+    pos = pl.DataFrame(
+        {"position": list(range(len(per_position["kl"])))} | {k: v.cpu().numpy() for k, v in per_position.items()}
+    )
     atomic_parquet(pos, path.with_suffix(".positions.parquet"))
     atomic_parquet(pl.DataFrame([row]), path)
 
@@ -106,8 +139,11 @@ def is_complete_row(path: Path) -> bool:
 
 def row_files(runs_dir: Path) -> list[Path]:
     """The row files under ``runs_dir`` (any depth): Parquet files but positions, summaries and temporaries."""
-    return sorted(p for p in Path(runs_dir).rglob("*.parquet")
-                  if not p.name.endswith(".positions.parquet") and not p.name.startswith((".", "summary")))
+    return sorted(
+        p
+        for p in Path(runs_dir).rglob("*.parquet")
+        if not p.name.endswith(".positions.parquet") and not p.name.startswith((".", "summary"))
+    )
 
 
 def read_row_files(files) -> list[pl.DataFrame]:
@@ -136,22 +172,37 @@ def _fmt(df: pl.DataFrame) -> pl.DataFrame:
     cols = [c for c in SHOWN if c in df.columns]
     df = df.select(cols).sort([c for c in ("model", "ctx", "prompt_set", "quant") if c in cols])
     text = {c: (lambda v: f"{v:.2e}") for c in cols if c.startswith("kl_")}
-    text |= {"top1_agree": lambda v: f"{100 * v:.2f}%", "prefill_tok_s": lambda v: f"{v:.1f}",
-             "decode_tok_s": lambda v: f"{v:.1f}"}
+    text |= {
+        "top1_agree": lambda v: f"{100 * v:.2f}%",
+        "prefill_tok_s": lambda v: f"{v:.1f}",
+        "decode_tok_s": lambda v: f"{v:.1f}",
+    }
     return df.with_columns(pl.col(c).map_elements(f, return_dtype=pl.String) for c, f in text.items() if c in cols)
 
 
 def to_markdown(df: pl.DataFrame) -> str:
-    with pl.Config(tbl_formatting="MARKDOWN", tbl_hide_column_data_types=True,
-                   tbl_hide_dataframe_shape=True, tbl_rows=-1, tbl_cols=-1,
-                   fmt_str_lengths=60, tbl_width_chars=10_000):  # never wrap cells across lines
+    with pl.Config(
+        tbl_formatting="MARKDOWN",
+        tbl_hide_column_data_types=True,
+        tbl_hide_dataframe_shape=True,
+        tbl_rows=-1,
+        tbl_cols=-1,
+        fmt_str_lengths=60,
+        tbl_width_chars=10_000,
+    ):  # never wrap cells across lines
         return str(_fmt(df))
 
 
 def print_table(df: pl.DataFrame) -> None:
     """Print the shown columns of ``df`` (see :func:`_fmt`)."""
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True,
-                   tbl_width_chars=250, fmt_str_lengths=40):
+    with pl.Config(
+        tbl_rows=-1,
+        tbl_cols=-1,
+        tbl_hide_dataframe_shape=True,
+        tbl_hide_column_data_types=True,
+        tbl_width_chars=250,
+        fmt_str_lengths=40,
+    ):
         print(_fmt(df))
 
 

@@ -53,14 +53,27 @@ class Transformer:
     every layer, writing their keys and values into the paged cache, and returns float32 logits.
     """
 
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer],
-                 norm: torch.Tensor, lm_head: torch.Tensor | Int8Weight, max_positions: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[Layer],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor | Int8Weight,
+        max_positions: int,
+    ):
         self.config, self.embed, self.layers, self.norm, self.lm_head = config, embed, layers, norm, lm_head
         self.rope_cos, self.rope_sin = rope_tables(config, max_positions, embed.device)
 
     @classmethod
-    def from_state_dict(cls, config: ModelConfig, sd: dict[str, torch.Tensor], dtype=torch.bfloat16,
-                        device="cpu", max_positions: int | None = None) -> "Transformer":
+    def from_state_dict(
+        cls,
+        config: ModelConfig,
+        sd: dict[str, torch.Tensor],
+        dtype=torch.bfloat16,
+        device="cpu",
+        max_positions: int | None = None,
+    ) -> "Transformer":
         """Build from tensors with transformers' parameter names.
 
         ``sd`` values may be any float dtype (cast to ``dtype``) or int8 with a float32
@@ -84,30 +97,47 @@ class Transformer:
                 raise UserError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {tuple(shape)}")
             return w
 
-        d, h, kvh, hid, inter = c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.hidden_size, c.intermediate_size
+        d, h, kvh, hid, inter = (
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.hidden_size,
+            c.intermediate_size,
+        )
         layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv = [get(a + "q_proj.weight", (h * d, hid)), get(a + "k_proj.weight", (kvh * d, hid)),
-                   get(a + "v_proj.weight", (kvh * d, hid))]
-            bias = (torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]) if c.attention_bias else None)
-            layers.append(Layer(
-                input_norm=get(p + "input_layernorm.weight", (hid,)),
-                qkv_proj=_cat(qkv),
-                qkv_bias=bias,
-                q_norm=get(a + "q_norm.weight") if c.qk_norm else None,
-                k_norm=get(a + "k_norm.weight") if c.qk_norm else None,
-                o_proj=get(a + "o_proj.weight", (hid, h * d)),
-                post_norm=get(p + "post_attention_layernorm.weight", (hid,)),
-                gate_up_proj=_cat([get(p + "mlp.gate_proj.weight", (inter, hid)),
-                                   get(p + "mlp.up_proj.weight", (inter, hid))]),
-                down_proj=get(p + "mlp.down_proj.weight", (hid, inter)),
-            ))
+            qkv = [
+                get(a + "q_proj.weight", (h * d, hid)),
+                get(a + "k_proj.weight", (kvh * d, hid)),
+                get(a + "v_proj.weight", (kvh * d, hid)),
+            ]
+            bias = torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]) if c.attention_bias else None
+            layers.append(
+                Layer(
+                    input_norm=get(p + "input_layernorm.weight", (hid,)),
+                    qkv_proj=_cat(qkv),
+                    qkv_bias=bias,
+                    q_norm=get(a + "q_norm.weight") if c.qk_norm else None,
+                    k_norm=get(a + "k_norm.weight") if c.qk_norm else None,
+                    o_proj=get(a + "o_proj.weight", (hid, h * d)),
+                    post_norm=get(p + "post_attention_layernorm.weight", (hid,)),
+                    gate_up_proj=_cat(
+                        [get(p + "mlp.gate_proj.weight", (inter, hid)), get(p + "mlp.up_proj.weight", (inter, hid))]
+                    ),
+                    down_proj=get(p + "mlp.down_proj.weight", (hid, inter)),
+                )
+            )
         embed = get("model.embed_tokens.weight", (c.vocab_size, hid))
-        lm_head = embed if "lm_head.weight" not in sd and c.tie_word_embeddings else get("lm_head.weight", (c.vocab_size, hid))
-        return cls(c, embed, layers, get("model.norm.weight", (hid,)), lm_head,
-                   max_positions or c.max_position_embeddings)
+        lm_head = (
+            embed
+            if "lm_head.weight" not in sd and c.tie_word_embeddings
+            else get("lm_head.weight", (c.vocab_size, hid))
+        )
+        return cls(
+            c, embed, layers, get("model.norm.weight", (hid,)), lm_head, max_positions or c.max_position_embeddings
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -122,8 +152,17 @@ class Transformer:
         seen, total = set(), 0
         tensors = [self.embed, self.norm, self.lm_head]
         for L in self.layers:
-            tensors += [L.input_norm, L.qkv_proj, L.qkv_bias, L.q_norm, L.k_norm, L.o_proj,
-                        L.post_norm, L.gate_up_proj, L.down_proj]
+            tensors += [
+                L.input_norm,
+                L.qkv_proj,
+                L.qkv_bias,
+                L.q_norm,
+                L.k_norm,
+                L.o_proj,
+                L.post_norm,
+                L.gate_up_proj,
+                L.down_proj,
+            ]
         for t in tensors:
             if t is None or id(t) in seen:
                 continue
@@ -131,8 +170,15 @@ class Transformer:
             total += t.nbytes if isinstance(t, Int8Weight) else t.numel() * t.element_size()
         return total
 
-    def forward(self, ops, tokens: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
-                block_table: torch.Tensor, logit_rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        ops,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv: PagedKVCache,
+        block_table: torch.Tensor,
+        logit_rows: torch.Tensor | slice | None = None,
+    ) -> torch.Tensor:
         """Run tokens [T] at positions [T] of one sequence; return float32 logits [R, vocab].
 
         ``ops`` is a backend module (tileinfer.ops.*). Keys and values of the T positions are written
@@ -142,7 +188,7 @@ class Transformer:
         c = self.config
         T = tokens.shape[0]
         h, kvh, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        sm_scale = d ** -0.5
+        sm_scale = d**-0.5
         x = ops.embedding(tokens, self.embed)
         residual = None
         for i, L in enumerate(self.layers):
@@ -152,9 +198,19 @@ class Transformer:
                 hs, residual = ops.add_rms_norm(x, residual, L.input_norm, eps)
             qkv = ops.linear(hs, L.qkv_proj, L.qkv_bias)
             q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-            q = ops.qk_norm_rope_kv_write(q.view(T, h, d), k.view(T, kvh, d), v.view(T, kvh, d),
-                                          L.q_norm, L.k_norm, eps, self.rope_cos, self.rope_sin,
-                                          kv.layers[i], block_table, positions)
+            q = ops.qk_norm_rope_kv_write(
+                q.view(T, h, d),
+                k.view(T, kvh, d),
+                v.view(T, kvh, d),
+                L.q_norm,
+                L.k_norm,
+                eps,
+                self.rope_cos,
+                self.rope_sin,
+                kv.layers[i],
+                block_table,
+                positions,
+            )
             o = ops.attention(q, kv.layers[i], block_table, positions, sm_scale)
             x = ops.linear(o.reshape(T, h * d), L.o_proj)
             hs, residual = ops.add_rms_norm(x, residual, L.post_norm, eps)

@@ -85,8 +85,10 @@ def get_backend(name: str):
         raise UserError(f"backend {name!r} is not available here: {e}") from None
     missing = [op for op in OPS if not callable(getattr(module, op, None))]
     if missing:
-        raise NotImplementedError(f"backend {name!r} (tileinfer.ops.{name}) lacks the ops {', '.join(missing)} "
-                                  "that tileinfer.ops.OPS requires of every backend")
+        raise NotImplementedError(
+            f"backend {name!r} (tileinfer.ops.{name}) lacks the ops {', '.join(missing)} "
+            "that tileinfer.ops.OPS requires of every backend"
+        )
     return module
 
 

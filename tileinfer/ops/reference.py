@@ -137,8 +137,9 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
-             positions: torch.Tensor) -> None:
+def write_kv(
+    layer: KVLayer, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor
+) -> None:
     """Store k, v [T, kv_heads, d] at ``positions`` [T] of the sequence whose pages are ``block_table``.
 
     An INT8 layer stores each vector (one KV head at one position) as int8 with its own scale.
@@ -158,10 +159,19 @@ def write_kv(layer: KVLayer, k: torch.Tensor, v: torch.Tensor, block_table: torc
         layer.v[pages, :, slots] = v.to(layer.v.dtype)
 
 
-def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                          cos_table: torch.Tensor, sin_table: torch.Tensor, layer: KVLayer,
-                          block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def qk_norm_rope_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    layer: KVLayer,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
     """Attention prologue: per-head q/k RMSNorm (Qwen3, when the norms are given), RoPE, KV write.
 
     q: [T, heads, d]; k, v: [T, kv_heads, d]; q_norm/k_norm: [d] or [heads|kv_heads, d] or None;
@@ -185,8 +195,9 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tens
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
 
 
-def attention(q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positions: torch.Tensor,
-              sm_scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positions: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
     """Causal paged attention with GQA for queries at ``positions`` over the cached sequence.
 
     q: [T, heads, d] (already rotated; the keys and values of these positions already written);
@@ -229,8 +240,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-           generator: torch.Generator | None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
     """Sample one token per row with temperature, then top-k, then top-p (nucleus) filtering.
 
     logits: float32 [T, vocab]; top_k <= 0 keeps all; top_p >= 1 keeps all; the most likely token is

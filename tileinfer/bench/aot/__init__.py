@@ -48,8 +48,7 @@ BACKENDS = ("triton", "cutile")
 # 16); prefill chunks, whose last row alone gets logits (512 = the runner's default prefill_chunk,
 # 300 = a shorter last chunk); teacher-forced scored chunks, every row scored (127, 512, 1023: a
 # 127-row Triton lm_head once needed more shared memory than sm_90 has).
-STEPS = ((1, True), (5, True), (16, True), (127, True), (300, False), (512, False), (512, True),
-         (1023, True))
+STEPS = ((1, True), (5, True), (16, True), (127, True), (300, False), (512, False), (512, True), (1023, True))
 # Positions of the KV cache (the block table's length): decode attention picks its tiles and split
 # count by it (Triton: other tiles for INT8 caches of >= 16k positions), so a short and a long one.
 CONTEXTS = (2048, 32768)
@@ -71,10 +70,13 @@ def meta_model(c: ModelConfig, int8_weights: bool) -> Transformer:
     linear layer and the lm_head when ``int8_weights`` (a tied lm_head is quantized apart from the
     embedding, as quantize/ does).
     """
+
     def w(out, inp):
         if int8_weights:
-            return Int8Weight(torch.empty(out, inp, dtype=torch.int8, device="meta"),
-                              torch.empty(out, dtype=torch.float32, device="meta"))
+            return Int8Weight(
+                torch.empty(out, inp, dtype=torch.int8, device="meta"),
+                torch.empty(out, dtype=torch.float32, device="meta"),
+            )
         return torch.empty(out, inp, dtype=torch.bfloat16, device="meta")
 
     def v(*shape):
@@ -82,25 +84,34 @@ def meta_model(c: ModelConfig, int8_weights: bool) -> Transformer:
 
     h, d, hid, inter = c.num_attention_heads, c.head_dim, c.hidden_size, c.intermediate_size
     qkv = qkv_out(c)
-    layers = [Layer(input_norm=v(hid), qkv_proj=w(qkv, hid), qkv_bias=v(qkv) if c.attention_bias else None,
-                    q_norm=v(d) if c.qk_norm else None, k_norm=v(d) if c.qk_norm else None,
-                    o_proj=w(hid, h * d), post_norm=v(hid), gate_up_proj=w(2 * inter, hid),
-                    down_proj=w(hid, inter))
-              for _ in range(c.num_hidden_layers)]
+    layers = [
+        Layer(
+            input_norm=v(hid),
+            qkv_proj=w(qkv, hid),
+            qkv_bias=v(qkv) if c.attention_bias else None,
+            q_norm=v(d) if c.qk_norm else None,
+            k_norm=v(d) if c.qk_norm else None,
+            o_proj=w(hid, h * d),
+            post_norm=v(hid),
+            gate_up_proj=w(2 * inter, hid),
+            down_proj=w(hid, inter),
+        )
+        for _ in range(c.num_hidden_layers)
+    ]
     embed = v(c.vocab_size, hid)
     lm_head = w(c.vocab_size, hid) if (int8_weights or not c.tie_word_embeddings) else embed
     return Transformer(c, embed, layers, v(hid), lm_head, max(CONTEXTS))
 
 
-def _step(model: Transformer, context: int, rows: int, every_row: bool, int8_kv: bool, sampling: bool,
-          ops) -> None:
+def _step(model: Transformer, context: int, rows: int, every_row: bool, int8_kv: bool, sampling: bool, ops) -> None:
     """One forward step of ``rows`` tokens through a cache of ``context`` positions (the logits of
     every row or of the last); then argmax and both sampling paths (top-k + top-p, and top-p alone)
     on the logits when ``sampling``."""
     c = model.config
     pages = context // PAGE_SIZE
-    kv = PagedKVCache(c.num_hidden_layers, pages, PAGE_SIZE, c.num_key_value_heads, c.head_dim,
-                      torch.bfloat16, int8_kv, "meta")
+    kv = PagedKVCache(
+        c.num_hidden_layers, pages, PAGE_SIZE, c.num_key_value_heads, c.head_dim, torch.bfloat16, int8_kv, "meta"
+    )
     block_table = torch.empty(pages, dtype=torch.int32, device="meta")
     tokens = torch.empty(rows, dtype=torch.int64, device="meta")
     positions = torch.empty(rows, dtype=torch.int32, device="meta")
@@ -125,11 +136,14 @@ def model_calls(names: Sequence[str], steps=STEPS) -> list[Call]:
                 for context in CONTEXTS:
                     for rows, every_row in steps:
                         sampling = rows <= 16 and not int8_w and not int8_kv and context == CONTEXTS[0]
-                        label = (f"{name} {rows} rows ({'every' if every_row else 'last'} row scored), "
-                                 f"{'int8' if int8_w else 'bf16'} weights, {'int8' if int8_kv else 'bf16'} "
-                                 f"KV of {context} positions")
-                        calls.append(Call(label, functools.partial(_step, model, context, rows, every_row,
-                                                                   int8_kv, sampling)))
+                        label = (
+                            f"{name} {rows} rows ({'every' if every_row else 'last'} row scored), "
+                            f"{'int8' if int8_w else 'bf16'} weights, {'int8' if int8_kv else 'bf16'} "
+                            f"KV of {context} positions"
+                        )
+                        calls.append(
+                            Call(label, functools.partial(_step, model, context, rows, every_row, int8_kv, sampling))
+                        )
     return calls
 
 
@@ -141,19 +155,27 @@ def run_calls(calls: Sequence[Call], ops: ModuleType) -> list[dict]:
         try:
             call.run(ops)
         except Exception as e:
-            failed.append(dict(kernel=call.label, variant="", seconds=0.0, cubin_bytes=0,
-                               error=f"{type(e).__name__}: {e}"[:4000]))
+            failed.append(
+                dict(kernel=call.label, variant="", seconds=0.0, cubin_bytes=0, error=f"{type(e).__name__}: {e}"[:4000])
+            )
     return failed
 
 
-def _compile_share(backend: str, make_calls: Callable[..., list[Call]], args: tuple, arch: str,
-                   share: tuple[int, int], sass: bool) -> list[dict]:
+def _compile_share(
+    backend: str, make_calls: Callable[..., list[Call]], args: tuple, arch: str, share: tuple[int, int], sass: bool
+) -> list[dict]:
     module = importlib.import_module(f"tileinfer.bench.aot.{backend}")
     return module.compile_share(make_calls(*args), arch, share, sass)
 
 
-def compile_calls(backend: str, make_calls: Callable[..., list[Call]], args: tuple = (),
-                  arch: str = "sm_90", jobs: int = 1, sass: bool = False) -> list[dict]:
+def compile_calls(
+    backend: str,
+    make_calls: Callable[..., list[Call]],
+    args: tuple = (),
+    arch: str = "sm_90",
+    jobs: int = 1,
+    sass: bool = False,
+) -> list[dict]:
     """Compile for ``arch`` every distinct kernel the calls ``make_calls(*args)`` launch.
 
     ``jobs`` processes (spawned: the parent may hold a CUDA context) each enumerate the calls and
@@ -166,8 +188,7 @@ def compile_calls(backend: str, make_calls: Callable[..., list[Call]], args: tup
     if jobs <= 1:
         return _compile_share(backend, make_calls, args, arch, (0, 1), sass)
     with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-        parts = [pool.submit(_compile_share, backend, make_calls, args, arch, (k, jobs), sass)
-                 for k in range(jobs)]
+        parts = [pool.submit(_compile_share, backend, make_calls, args, arch, (k, jobs), sass) for k in range(jobs)]
         return [r for part in parts for r in part.result()]
 
 

@@ -17,8 +17,10 @@ from tileinfer.core.registry import shaped_models
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tileinfer.bench.aot",
-                                description="Compile every kernel the models launch, for a GPU that need not be here.")
+    p = argparse.ArgumentParser(
+        prog="python -m tileinfer.bench.aot",
+        description="Compile every kernel the models launch, for a GPU that need not be here.",
+    )
     p.add_argument("--backend", required=True, choices=BACKENDS)
     p.add_argument("--models", default=",".join(shaped_models()), help="registry names (conf/model), comma-separated")
     p.add_argument("--arch", default="sm_90", help="target GPU architecture")
@@ -33,8 +35,10 @@ def main(argv=None) -> int:
             counts = " ".join(f"{k}={r[k]}" for k in ("regs", "stack", "smem", "smem_dyn", *SASS_OPS) if r.get(k))
             print(f"{r['kernel']:28s} {r['seconds']:5.2f}s {r['variant']}" + (f" | {counts}" if a.sass else ""))
     failed = [r for r in recs if r["error"]]
-    print(f"{len(recs) - len(failed)} kernels compiled for {a.arch} in {time.perf_counter() - t0:.1f}s "
-          f"({a.backend}, {a.jobs} processes), {len(failed)} failed")
+    print(
+        f"{len(recs) - len(failed)} kernels compiled for {a.arch} in {time.perf_counter() - t0:.1f}s "
+        f"({a.backend}, {a.jobs} processes), {len(failed)} failed"
+    )
     for r in failed:
         print(f"FAILED {r['kernel']} {r['variant']}: {r['error']}")
     return 1 if failed else 0

@@ -27,8 +27,14 @@ from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSign
 from tileinfer.bench.aot import Call, cubin_resources, run_calls
 from tileinfer.ops.cutile import _common
 
-_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32,
-           torch.int8: ct.int8, torch.int32: ct.int32, torch.int64: ct.int64}
+_DTYPES = {
+    torch.bfloat16: ct.bfloat16,
+    torch.float16: ct.float16,
+    torch.float32: ct.float32,
+    torch.int8: ct.int8,
+    torch.int32: ct.int32,
+    torch.int64: ct.int64,
+}
 
 
 @dataclass(frozen=True)
@@ -60,12 +66,19 @@ def _array_constraint(t: torch.Tensor) -> ArrayConstraint:
     for (ps, pn), (cs, _) in zip(pairs, pairs[1:]):
         disjoint = disjoint and cs > 0 and cs >= ps * pn
     aligned = (t.storage_offset() * t.element_size()) % 16 == 0
-    return ArrayConstraint(_DTYPES[t.dtype], t.dim(), index_dtype=ct.int32,
-                           stride_lower_bound_incl=0, alias_groups=(),
-                           may_alias_internally=not disjoint, stride_constant=stride_const,
-                           shape_constant=shape_const, stride_divisible_by=stride_div,
-                           shape_divisible_by=shape_div,
-                           base_addr_divisible_by=16 if aligned else 1)
+    return ArrayConstraint(
+        _DTYPES[t.dtype],
+        t.dim(),
+        index_dtype=ct.int32,
+        stride_lower_bound_incl=0,
+        alias_groups=(),
+        may_alias_internally=not disjoint,
+        stride_constant=stride_const,
+        shape_constant=shape_const,
+        stride_divisible_by=stride_div,
+        shape_divisible_by=shape_div,
+        base_addr_divisible_by=16 if aligned else 1,
+    )
 
 
 def _is_constant(annotation) -> bool:
@@ -94,8 +107,7 @@ def signature_of(kernel, args: tuple) -> KernelSignature:
         else:
             raise TypeError(f"{kernel._pyfunc.__name__}: cannot describe argument {name}={a!r}")
     # size-1 dimensions become shape constants, which need calling convention v2 (as in the JIT)
-    cconv = (CallingConvention.cutile_python_v2() if shape_const
-             else CallingConvention.cutile_python_v1())
+    cconv = CallingConvention.cutile_python_v2() if shape_const else CallingConvention.cutile_python_v1()
     return KernelSignature(out, cconv)
 
 
@@ -105,8 +117,12 @@ def variants(launches: Sequence[tuple]) -> list[KernelVariant]:
     seen, out = set(), []
     for kernel, _grid, args in launches:
         sig = signature_of(kernel, args)
-        key = (kernel._pyfunc.__name__, repr(kernel._compiler_options), repr(sig.parameters),
-               sig.calling_convention.code)
+        key = (
+            kernel._pyfunc.__name__,
+            repr(kernel._compiler_options),
+            repr(sig.parameters),
+            sig.calling_convention.code,
+        )
         if key not in seen:
             seen.add(key)
             out.append(KernelVariant(kernel, sig))

@@ -52,12 +52,19 @@ def compiling(target: GPUTarget, share: tuple[int, int] = (0, 1)):
             return None
         opts, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
         names = {(i,): name for i, name in enumerate(self.arg_names)}
-        rec = dict(name=self.fn.__name__, kernel=None, error=None, num_warps=opts.num_warps,
-                   num_stages=opts.num_stages, constexprs={names.get(c, c): v for c, v in constexprs.items()})
+        rec = dict(
+            name=self.fn.__name__,
+            kernel=None,
+            error=None,
+            num_warps=opts.num_warps,
+            num_stages=opts.num_stages,
+            constexprs={names.get(c, c): v for c, v in constexprs.items()},
+        )
         t0 = time.perf_counter()
         try:
-            rec["kernel"] = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
-                                           options=opts.__dict__)
+            rec["kernel"] = triton.compile(
+                ASTSource(self, signature, constexprs, attrs), target=target, options=opts.__dict__
+            )
         except Exception as e:  # recorded, so that every failing kernel is reported
             rec["error"] = f"{type(e).__name__}: {e}"[:4000]
         rec["seconds"] = time.perf_counter() - t0
@@ -85,8 +92,13 @@ def compile_share(calls: Sequence[Call], arch: str, share: tuple[int, int], sass
     for r in seen.values():
         kernel, error = r["kernel"], r["error"]
         constants = {name: getattr(v, "name", v) for name, v in r["constexprs"].items()}
-        rec = dict(kernel=r["name"], variant=f"w{r['num_warps']} s{r['num_stages']} {constants}",
-                   seconds=r["seconds"], cubin_bytes=0, error=error)
+        rec = dict(
+            kernel=r["name"],
+            variant=f"w{r['num_warps']} s{r['num_stages']} {constants}",
+            seconds=r["seconds"],
+            cubin_bytes=0,
+            error=error,
+        )
         if kernel is not None:
             rec.update(cubin_bytes=len(kernel.asm["cubin"]), smem_dyn=kernel.metadata.shared)
             if limit is not None and kernel.metadata.shared > limit:

@@ -42,16 +42,30 @@ _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 
 _STRING, _ARRAY = 8, 9
 
 # general.architecture -> (transformers model_type, llama.cpp permuted attn_q/attn_k rows)
-ARCHITECTURES = {"llama": ("llama", True), "mistral": ("mistral", True), "qwen2": ("qwen2", False),
-                 "qwen3": ("qwen3", False)}
+ARCHITECTURES = {
+    "llama": ("llama", True),
+    "mistral": ("mistral", True),
+    "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),
+}
 
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -87,7 +101,7 @@ class _Cursor:
         n = self.scalar("<Q")
         if self.pos + n > len(self.buf):
             raise ValueError("string runs past the end of the file")
-        s = self.buf[self.pos:self.pos + n].decode("utf-8")
+        s = self.buf[self.pos : self.pos + n].decode("utf-8")
         self.pos += n
         return s
 
@@ -155,8 +169,10 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
         n = int(np.prod(dims, dtype=np.int64))
         info = TensorInfo(name, tuple(reversed(dims)), qtype, data_start + rel, n // block * type_size)
         if info.offset + info.nbytes > size:
-            raise UserError(f"{path}: truncated GGUF file (tensor {name} ends at byte {info.offset + info.nbytes}, "
-                            f"the file has {size})")
+            raise UserError(
+                f"{path}: truncated GGUF file (tensor {name} ends at byte {info.offset + info.nbytes}, "
+                f"the file has {size})"
+            )
         tensors[name] = info
     return GGUFHeader(path, metadata, tensors)
 
@@ -184,8 +200,10 @@ def gguf_config(header: GGUFHeader) -> dict:
     if arch not in ARCHITECTURES:
         raise UserError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
     if "rope_freqs.weight" in header.tensors:
-        raise UserError(f"{path}: per-frequency RoPE factors (rope_freqs.weight) are not supported; "
-                        "load the model's transformers folder instead")
+        raise UserError(
+            f"{path}: per-frequency RoPE factors (rope_freqs.weight) are not supported; "
+            "load the model's transformers folder instead"
+        )
 
     def get(key, default=KeyError):
         if f"{arch}.{key}" in md:
@@ -197,7 +215,8 @@ def gguf_config(header: GGUFHeader) -> dict:
     heads = int(get("attention.head_count"))
     cfg = {
         "model_type": ARCHITECTURES[arch][0],
-        "vocab_size": header.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in header.tensors
+        "vocab_size": header.tensors["token_embd.weight"].shape[0]
+        if "token_embd.weight" in header.tensors
         else int(get("vocab_size")),
         "hidden_size": int(get("embedding_length")),
         "intermediate_size": int(get("feed_forward_length")),
@@ -256,10 +275,12 @@ def _dequantize_all(header: GGUFHeader, cfg: dict, dtype: torch.dtype) -> dict[s
     for info in header.tensors.values():
         name = names[info.name]
         try:
-            w = dequantize(data[info.offset:info.offset + info.nbytes], info.ggml_type)
+            w = dequantize(data[info.offset : info.offset + info.nbytes], info.ggml_type)
         except NotImplementedError:
-            raise UserError(f"{header.path}: tensor {info.name} has type {info.ggml_type.name}, "
-                            "which the gguf package cannot dequantize") from None
+            raise UserError(
+                f"{header.path}: tensor {info.name} has type {info.ggml_type.name}, "
+                "which the gguf package cannot dequantize"
+            ) from None
         w = w.reshape(info.shape)
         if permuted and (".q_proj." in name or ".k_proj." in name):
             w = _unpermute(w, cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"])
@@ -272,7 +293,9 @@ def _check_complete(path: Path, cfg: dict, names: set[str]) -> None:
     per_layer = [v for k, v in _LAYER_NAMES.items() if k not in ("attn_q_norm", "attn_k_norm")]
     if cfg["model_type"] == "qwen3":
         per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
-    need = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg["tie_word_embeddings"] else ["lm_head.weight"])
+    need = ["model.embed_tokens.weight", "model.norm.weight"] + (
+        [] if cfg["tie_word_embeddings"] else ["lm_head.weight"]
+    )
     need += [f"model.layers.{i}.{p}.weight" for i in range(cfg["num_hidden_layers"]) for p in per_layer]
     missing = [n for n in need if n not in names]
     if missing:
@@ -287,8 +310,12 @@ def _cache_file(path: Path, dtype: torch.dtype, home) -> Path:
     return tileinfer_home(home) / "dequant" / f"{path.stem}.{key}.{str(dtype).removeprefix('torch.')}.safetensors"
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, cache: bool | None = None,
-              home: str | os.PathLike | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_gguf(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.bfloat16,
+    cache: bool | None = None,
+    home: str | os.PathLike | None = None,
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """Load a GGUF checkpoint as ``(config_dict, state_dict)`` with transformers' names and shapes.
 
     Args:

@@ -35,20 +35,25 @@ def random_state_dict(hf_config: dict, seed: int = 0, dtype=torch.bfloat16, devi
     def norm(n):
         return (1 + 0.1 * torch.randn(n, generator=gen, device=device)).to(dtype)
 
-    sd = {"model.embed_tokens.weight": normal((c.vocab_size, hid), LOGIT_STD / math.sqrt(hid)),
-          "model.norm.weight": norm(hid)}
+    sd = {
+        "model.embed_tokens.weight": normal((c.vocab_size, hid), LOGIT_STD / math.sqrt(hid)),
+        "model.norm.weight": norm(hid),
+    }
     if not c.tie_word_embeddings:
         sd["lm_head.weight"] = normal((c.vocab_size, hid), LOGIT_STD / math.sqrt(hid))
     for i in range(c.num_hidden_layers):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        sd |= {p + "input_layernorm.weight": norm(hid), p + "post_attention_layernorm.weight": norm(hid),
-               a + "q_proj.weight": normal((h * d, hid), hid ** -0.5),
-               a + "k_proj.weight": normal((kvh * d, hid), hid ** -0.5),
-               a + "v_proj.weight": normal((kvh * d, hid), hid ** -0.5),
-               a + "o_proj.weight": normal((hid, h * d), depth * (h * d) ** -0.5),
-               p + "mlp.gate_proj.weight": normal((inter, hid), hid ** -0.5),
-               p + "mlp.up_proj.weight": normal((inter, hid), hid ** -0.5),
-               p + "mlp.down_proj.weight": normal((hid, inter), depth * inter ** -0.5)}
+        sd |= {
+            p + "input_layernorm.weight": norm(hid),
+            p + "post_attention_layernorm.weight": norm(hid),
+            a + "q_proj.weight": normal((h * d, hid), hid**-0.5),
+            a + "k_proj.weight": normal((kvh * d, hid), hid**-0.5),
+            a + "v_proj.weight": normal((kvh * d, hid), hid**-0.5),
+            a + "o_proj.weight": normal((hid, h * d), depth * (h * d) ** -0.5),
+            p + "mlp.gate_proj.weight": normal((inter, hid), hid**-0.5),
+            p + "mlp.up_proj.weight": normal((inter, hid), hid**-0.5),
+            p + "mlp.down_proj.weight": normal((hid, inter), depth * inter**-0.5),
+        }
         if c.attention_bias:
             sd |= {a + f"{n}_proj.bias": normal((w,), 0.1) for n, w in (("q", h * d), ("k", kvh * d), ("v", kvh * d))}
         if c.qk_norm:

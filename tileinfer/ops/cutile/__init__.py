@@ -20,9 +20,9 @@ try:
 except Exception as e:  # the package, or its native extension, is missing
     raise ImportError(f"cuda.tile (pip package cuda-tile) is not importable: {e}") from None
 
-from tileinfer.ops.cutile.paged_attention import attention
 from tileinfer.ops.cutile.gemm import linear, lm_head, swiglu
 from tileinfer.ops.cutile.norms import add_rms_norm, embedding, rms_norm
+from tileinfer.ops.cutile.paged_attention import attention
 from tileinfer.ops.cutile.rope_kv import qk_norm_rope_kv_write
 from tileinfer.ops.cutile.sampling import argmax, sample
 
@@ -30,5 +30,15 @@ from tileinfer.ops.cutile.sampling import argmax, sample
 # or data-dependent host branching in a step): the runner replays decode steps from one graph.
 CUDA_GRAPHS = True
 
-__all__ = ["embedding", "rms_norm", "add_rms_norm", "linear", "swiglu", "lm_head",
-           "qk_norm_rope_kv_write", "attention", "argmax", "sample"]
+__all__ = [
+    "embedding",
+    "rms_norm",
+    "add_rms_norm",
+    "linear",
+    "swiglu",
+    "lm_head",
+    "qk_norm_rope_kv_write",
+    "attention",
+    "argmax",
+    "sample",
+]

@@ -17,9 +17,8 @@ import contextlib
 import math
 import os
 
-import torch
-
 import cuda.tile as ct
+import torch
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]

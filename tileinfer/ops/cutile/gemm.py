@@ -20,20 +20,19 @@ skinny kernels start streaming their first weight tile before the PDL wait (see 
 
 from __future__ import annotations
 
+import cuda.tile as ct
 import torch
 
-import cuda.tile as ct
 from tileinfer.ops import Int8Weight, fallback
 from tileinfer.ops import reference as ref
-from tileinfer.ops.cutile._common import (ZERO, ConstBool, ConstInt, cdiv, dummy, launch,
-                                          pdl_prologue, workspace)
+from tileinfer.ops.cutile._common import ZERO, ConstBool, ConstInt, cdiv, dummy, launch, pdl_prologue, workspace
 
-SKINNY_ROWS = 16          # decode / verify steps up to this many rows use the skinny kernels
-SKINNY_TN = 64            # output channels per skinny block (the HGMMA M; 64 is its minimum)
-SPLIT_K = True            # allow split-K for narrow skinny products (bench toggles it)
+SKINNY_ROWS = 16  # decode / verify steps up to this many rows use the skinny kernels
+SKINNY_TN = 64  # output channels per skinny block (the HGMMA M; 64 is its minimum)
+SPLIT_K = True  # allow split-K for narrow skinny products (bench toggles it)
 MAX_SPLIT = 16
-MIN_K_TILES = 2           # each split reduces at least this many K tiles
-MIN_BLOCKS = 90           # split K until the grid has ~2/3 of the H200's 132 SMs busy (measured)
+MIN_K_TILES = 2  # each split reduces at least this many K tiles
+MIN_BLOCKS = 90  # split K until the grid has ~2/3 of the H200's 132 SMs busy (measured)
 PLAN_OVERRIDE: dict = {}  # bench: force TN / TK / S
 
 # ------------------------------------------------------------------------------------ helpers
@@ -74,16 +73,17 @@ def _finish(acc, sc, bias, dt, INT8, HAS_BIAS, LOGITS):
 def _row_vec(arr, j, TN, ENABLED):
     """Per-output-channel vector tile [1, TN] (float32) at tile j, or 0 when the input is absent."""
     if ENABLED:
-        return ct.reshape(ct.astype(ct.load(arr, (j,), shape=(TN,), padding_mode=ZERO),
-                                    ct.float32), (1, TN))
+        return ct.reshape(ct.astype(ct.load(arr, (j,), shape=(TN,), padding_mode=ZERO), ct.float32), (1, TN))
     return 0.0
 
 
 def _gate_up_scales(scale, j, TN, inter, INT8):
     """Per-channel scales of the gate and up halves of a stacked INT8 gate_up weight."""
     if INT8:
-        return (_row_vec(scale.slice(axis=0, start=0, stop=inter), j, TN, True),
-                _row_vec(scale.slice(axis=0, start=inter, stop=2 * inter), j, TN, True))
+        return (
+            _row_vec(scale.slice(axis=0, start=0, stop=inter), j, TN, True),
+            _row_vec(scale.slice(axis=0, start=inter, stop=2 * inter), j, TN, True),
+        )
     return 0.0, 0.0
 
 
@@ -123,15 +123,15 @@ def _skinny_acc(x, w, j, k0, k1, nk, TN, TK, INT8):
 
 
 @ct.kernel(occupancy=2)
-def gemv_kernel(x, w, scale, bias, out, TN: ConstInt, TK: ConstInt, INT8: ConstBool,
-                HAS_BIAS: ConstBool, LOGITS: ConstBool):
+def gemv_kernel(
+    x, w, scale, bias, out, TN: ConstInt, TK: ConstInt, INT8: ConstBool, HAS_BIAS: ConstBool, LOGITS: ConstBool
+):
     """One block per TN output channels; x padded to 16 rows; full reduction in the block."""
-    ct.grid_dependency_control_launch_dependents()   # the wait is in _skinny_acc
+    ct.grid_dependency_control_launch_dependents()  # the wait is in _skinny_acc
     j = ct.bid(0)
     nk = ct.cdiv(x.shape[1], TK)
     acc = _skinny_acc(x, w, j, 0, nk, nk, TN, TK, INT8)
-    y = _finish(acc, _row_vec(scale, j, TN, INT8), _row_vec(bias, j, TN, HAS_BIAS), out.dtype,
-                INT8, HAS_BIAS, LOGITS)
+    y = _finish(acc, _row_vec(scale, j, TN, INT8), _row_vec(bias, j, TN, HAS_BIAS), out.dtype, INT8, HAS_BIAS, LOGITS)
     ct.store(out, (0, j), ct.astype(y, out.dtype))
 
 
@@ -169,7 +169,7 @@ def gemv_swiglu_kernel(x, w, scale, out, TN: ConstInt, TK: ConstInt, INT8: Const
 @ct.kernel(occupancy=2)
 def gemv_partial_kernel(x, w, ws, TN: ConstInt, TK: ConstInt, INT8: ConstBool):
     """Split-K part: block (j, s) reduces the s-th slice of K tiles into ws[s, :T, j*TN:...]."""
-    ct.grid_dependency_control_launch_dependents()   # the wait is in _skinny_acc
+    ct.grid_dependency_control_launch_dependents()  # the wait is in _skinny_acc
     j = ct.bid(0)
     s = ct.bid(1)
     nk = ct.cdiv(x.shape[1], TK)
@@ -180,25 +180,39 @@ def gemv_partial_kernel(x, w, ws, TN: ConstInt, TK: ConstInt, INT8: ConstBool):
 
 
 @ct.kernel
-def gemv_reduce_kernel(ws, scale, bias, out, SP: ConstInt, TN: ConstInt, INT8: ConstBool,
-                       HAS_BIAS: ConstBool, LOGITS: ConstBool, SWIGLU: ConstBool):
+def gemv_reduce_kernel(
+    ws,
+    scale,
+    bias,
+    out,
+    SP: ConstInt,
+    TN: ConstInt,
+    INT8: ConstBool,
+    HAS_BIAS: ConstBool,
+    LOGITS: ConstBool,
+    SWIGLU: ConstBool,
+):
     """Split-K finish: sum the SP partials of TN channels, then the linear/logits/swiglu end."""
     pdl_prologue()
     j = ct.bid(0)
     if SWIGLU:
         inter = out.shape[1]
-        g = ct.sum(ct.load(ws.slice(axis=2, start=0, stop=inter), (0, 0, j), shape=(SP, 16, TN),
-                           padding_mode=ZERO), axis=0)
-        u = ct.sum(ct.load(ws.slice(axis=2, start=inter, stop=2 * inter), (0, 0, j),
-                           shape=(SP, 16, TN), padding_mode=ZERO), axis=0)
+        g = ct.sum(
+            ct.load(ws.slice(axis=2, start=0, stop=inter), (0, 0, j), shape=(SP, 16, TN), padding_mode=ZERO), axis=0
+        )
+        u = ct.sum(
+            ct.load(ws.slice(axis=2, start=inter, stop=2 * inter), (0, 0, j), shape=(SP, 16, TN), padding_mode=ZERO),
+            axis=0,
+        )
         scg, scu = _gate_up_scales(scale, j, TN, inter, INT8)
         g = _finish(g, scg, 0.0, out.dtype, INT8, False, False)
         u = _finish(u, scu, 0.0, out.dtype, INT8, False, False)
         y = _silu_mul(g, u)
     else:
         acc = ct.sum(ct.load(ws, (0, 0, j), shape=(SP, 16, TN), padding_mode=ZERO), axis=0)
-        y = _finish(acc, _row_vec(scale, j, TN, INT8), _row_vec(bias, j, TN, HAS_BIAS), out.dtype,
-                    INT8, HAS_BIAS, LOGITS)
+        y = _finish(
+            acc, _row_vec(scale, j, TN, INT8), _row_vec(bias, j, TN, HAS_BIAS), out.dtype, INT8, HAS_BIAS, LOGITS
+        )
     ct.store(out, (0, j), ct.astype(y, out.dtype))
 
 
@@ -206,8 +220,19 @@ def gemv_reduce_kernel(ws, scale, bias, out, SP: ConstInt, TN: ConstInt, INT8: C
 
 
 @ct.kernel
-def gemm_kernel(x, w, scale, bias, out, TM: ConstInt, TN: ConstInt, TK: ConstInt,
-                INT8: ConstBool, HAS_BIAS: ConstBool, LOGITS: ConstBool):
+def gemm_kernel(
+    x,
+    w,
+    scale,
+    bias,
+    out,
+    TM: ConstInt,
+    TN: ConstInt,
+    TK: ConstInt,
+    INT8: ConstBool,
+    HAS_BIAS: ConstBool,
+    LOGITS: ConstBool,
+):
     """Prefill GEMM: block (m, n) owns out[m*TM:, n*TN:]; m varies fastest in launch order so the
     blocks sharing a weight tile run together and the weight is read from memory once."""
     pdl_prologue()
@@ -219,14 +244,12 @@ def gemm_kernel(x, w, scale, bias, out, TM: ConstInt, TN: ConstInt, TK: ConstInt
         b = ct.load(w, (kk, bn), shape=(TK, TN), order=(1, 0), padding_mode=ZERO)
         b, a = _operands(b, a, INT8)
         acc = ct.mma(a, b, acc)
-    y = _finish(acc, _row_vec(scale, bn, TN, INT8), _row_vec(bias, bn, TN, HAS_BIAS), out.dtype,
-                INT8, HAS_BIAS, LOGITS)
+    y = _finish(acc, _row_vec(scale, bn, TN, INT8), _row_vec(bias, bn, TN, HAS_BIAS), out.dtype, INT8, HAS_BIAS, LOGITS)
     ct.store(out, (bm, bn), ct.astype(y, out.dtype))
 
 
 @ct.kernel
-def gemm_swiglu_kernel(x, w, scale, out, TM: ConstInt, TN: ConstInt, TK: ConstInt,
-                       INT8: ConstBool):
+def gemm_swiglu_kernel(x, w, scale, out, TM: ConstInt, TN: ConstInt, TK: ConstInt, INT8: ConstBool):
     """Prefill SwiGLU GEMM: gate and up accumulators side by side, silu(g) * u in the epilogue."""
     pdl_prologue()
     bm = ct.bid(0)
@@ -304,8 +327,7 @@ def _unsupported(op: str, x: torch.Tensor, wq: torch.Tensor) -> str | None:
     return None
 
 
-def _run(x: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor, swiglu: bool,
-         logits: bool) -> torch.Tensor:
+def _run(x: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor, swiglu: bool, logits: bool) -> torch.Tensor:
     wq, scale, int8 = _weight(w)
     T, K = x.shape
     if T == 0:
@@ -320,21 +342,22 @@ def _run(x: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor, swigl
         if s > 1:
             ws = workspace("splitk", (s, T, wq.shape[0]), torch.float32, dev)
             launch(gemv_partial_kernel, (cdiv(wq.shape[0], tn), s, 1), (x, wq, ws, tn, tk, int8))
-            launch(gemv_reduce_kernel, (cdiv(n_out, tn), 1, 1),
-                   (ws, sc, b, out, s, tn, int8, bias is not None, logits, swiglu))
+            launch(
+                gemv_reduce_kernel,
+                (cdiv(n_out, tn), 1, 1),
+                (ws, sc, b, out, s, tn, int8, bias is not None, logits, swiglu),
+            )
         elif swiglu:
             launch(gemv_swiglu_kernel, (cdiv(n_out, tn), 1, 1), (x, wq, sc, out, tn, tk, int8))
         else:
-            launch(gemv_kernel, (cdiv(n_out, tn), 1, 1),
-                   (x, wq, sc, b, out, tn, tk, int8, bias is not None, logits))
+            launch(gemv_kernel, (cdiv(n_out, tn), 1, 1), (x, wq, sc, b, out, tn, tk, int8, bias is not None, logits))
         return out
     p = gemm_plan(T, swiglu)
     grid = (cdiv(T, p["TM"]), cdiv(n_out, p["TN"]), 1)
     if swiglu:
         launch(gemm_swiglu_kernel, grid, (x, wq, sc, out, p["TM"], p["TN"], p["TK"], int8))
     else:
-        launch(gemm_kernel, grid, (x, wq, sc, b, out, p["TM"], p["TN"], p["TK"], int8,
-                                   bias is not None, logits))
+        launch(gemm_kernel, grid, (x, wq, sc, b, out, p["TM"], p["TN"], p["TK"], int8, bias is not None, logits))
     return out
 
 

@@ -6,9 +6,9 @@ kernel reads its inputs once and writes its outputs once. Statistics in float32,
 
 from __future__ import annotations
 
+import cuda.tile as ct
 import torch
 
-import cuda.tile as ct
 from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
 from tileinfer.ops.cutile._common import ZERO, ConstInt, launch, next_pow2, pdl_prologue
@@ -74,8 +74,12 @@ def _weight_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     n = x.shape[-1]
     if weight.numel() == n:
         return weight.reshape(1, n)
-    if weight.dim() >= 2 and x.dim() >= 2 and tuple(weight.shape[-2:]) == tuple(x.shape[-2:]) \
-            and weight.numel() == x.shape[-2] * n:
+    if (
+        weight.dim() >= 2
+        and x.dim() >= 2
+        and tuple(weight.shape[-2:]) == tuple(x.shape[-2:])
+        and weight.numel() == x.shape[-2] * n
+    ):
         return weight.reshape(-1, n)
     return None
 
@@ -97,8 +101,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = x.reshape(-1, n)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        launch(rms_norm_kernel, (x2.shape[0], 1, 1),
-               (x2, w2, out, float(eps), int(w2.shape[0]), next_pow2(n)))
+        launch(rms_norm_kernel, (x2.shape[0], 1, 1), (x2, w2, out, float(eps), int(w2.shape[0]), next_pow2(n)))
     return out.view(x.shape)
 
 
@@ -121,6 +124,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        launch(add_rms_norm_kernel, (x2.shape[0], 1, 1),
-               (x2, r2, weight.reshape(1, n), out, s, float(eps), next_pow2(n)))
+        launch(
+            add_rms_norm_kernel, (x2.shape[0], 1, 1), (x2, r2, weight.reshape(1, n), out, s, float(eps), next_pow2(n))
+        )
     return out.view(x.shape), s.view(x.shape)

@@ -23,25 +23,35 @@ from __future__ import annotations
 
 import math
 
+import cuda.tile as ct
 import torch
 
-import cuda.tile as ct
 from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
-from tileinfer.ops.cutile._common import (LOG2E, TARGET_BLOCKS, ZERO, ConstBool, ConstInt, cdiv,
-                                          dummy, is_pow2, launch, next_pow2, pdl_prologue,
-                                          workspace)
+from tileinfer.ops.cutile._common import (
+    LOG2E,
+    TARGET_BLOCKS,
+    ZERO,
+    ConstBool,
+    ConstInt,
+    cdiv,
+    dummy,
+    is_pow2,
+    launch,
+    next_pow2,
+    pdl_prologue,
+    workspace,
+)
 
-DECODE_ROWS = 16        # T <= this: split-KV decode kernels; larger T: prefill kernel
-PREFILL_TM = 128        # query rows per prefill block
+DECODE_ROWS = 16  # T <= this: split-KV decode kernels; larger T: prefill kernel
+PREFILL_TM = 128  # query rows per prefill block
 MAX_SPLITS = 128
 _BIG = 1 << 30
 _NEG_INF = -math.inf
 
 
-def _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i, acc, scale2,
-                 M, D, PS, INT8):
+def _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i, acc, scale2, M, D, PS, INT8):
     """One page of keys for the query tile qt [M, D]: online-softmax update of (m, l, acc).
 
     Scores are in base-2 units (scale2 = sm_scale * log2 e). Keys past a row's position are
@@ -50,10 +60,9 @@ def _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i, acc, 
     unwritten slot may hold NaN and 0 * NaN would leak into the product.
     """
     need_mask = (pi + 1) * PS - 1 > pmin
-    kt = ct.reshape(ct.load(kc, (page, h, 0, 0), shape=(1, 1, D, PS), order=(0, 1, 3, 2),
-                            latency=8), (D, PS))
+    kt = ct.reshape(ct.load(kc, (page, h, 0, 0), shape=(1, 1, D, PS), order=(0, 1, 3, 2), latency=8), (D, PS))
     if kt.dtype != qt.dtype:
-        kt = ct.astype(kt, qt.dtype)    # int8 keys: exact in bf16, converted in registers
+        kt = ct.astype(kt, qt.dtype)  # int8 keys: exact in bf16, converted in registers
     s = ct.mma(qt, kt, ct.zeros((M, PS), ct.float32))
     if INT8:
         s = s * ct.reshape(ct.load(ks, (page, h, 0), shape=(1, 1, PS)), (1, PS))
@@ -62,7 +71,7 @@ def _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i, acc, 
     if need_mask:
         s = ct.where(ct.reshape(kpos, (1, PS)) <= qpos, s, _NEG_INF)
     m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True))
-    m_safe = ct.where(m_new == _NEG_INF, 0.0, m_new)   # a row with no visible key yet
+    m_safe = ct.where(m_new == _NEG_INF, 0.0, m_new)  # a row with no visible key yet
     p = ct.exp2(s - m_safe)
     alpha = ct.exp2(m_i - m_safe)
     l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
@@ -82,8 +91,9 @@ def _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i, acc, 
 # 128 query rows and 8 worker warps: 168 registers, no spills (SASS), 1.32x the 64-row tiles at 2
 # blocks/SM in run 3 (benchmarks/cutile-NOTES.md)
 @ct.kernel(num_worker_warps=8)
-def prefill_attention_kernel(q, kc, vc, ks, vs, bt, pos, out, scale2: float, TM: ConstInt,
-                             D: ConstInt, PS: ConstInt, INT8: ConstBool):
+def prefill_attention_kernel(
+    q, kc, vc, ks, vs, bt, pos, out, scale2: float, TM: ConstInt, D: ConstInt, PS: ConstInt, INT8: ConstBool
+):
     pdl_prologue()
     mb = ct.bid(0)
     hq = ct.bid(1)
@@ -101,15 +111,32 @@ def prefill_attention_kernel(q, kc, vc, ks, vs, bt, pos, out, scale2: float, TM:
     acc = ct.zeros((TM, D), ct.float32)
     for pi in range(ct.cdiv(L, PS)):
         page = ct.load(bt, (pi,), shape=())
-        m_i, l_i, acc = _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i,
-                                     acc, scale2, TM, D, PS, INT8)
+        m_i, l_i, acc = _attend_page(
+            qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i, acc, scale2, TM, D, PS, INT8
+        )
     o = acc / l_i
     ct.store(out, (mb, hq, 0), ct.reshape(ct.astype(o, out.dtype), (TM, 1, D)))
 
 
 @ct.kernel
-def decode_split_kernel(q, kc, vc, ks, vs, bt, pos, o_part, m_part, l_part, scale2: float,
-                        TP: ConstInt, GP: ConstInt, D: ConstInt, PS: ConstInt, INT8: ConstBool):
+def decode_split_kernel(
+    q,
+    kc,
+    vc,
+    ks,
+    vs,
+    bt,
+    pos,
+    o_part,
+    m_part,
+    l_part,
+    scale2: float,
+    TP: ConstInt,
+    GP: ConstInt,
+    D: ConstInt,
+    PS: ConstInt,
+    INT8: ConstBool,
+):
     pdl_prologue()
     h = ct.bid(0)
     s = ct.bid(1)
@@ -133,8 +160,9 @@ def decode_split_kernel(q, kc, vc, ks, vs, bt, pos, o_part, m_part, l_part, scal
     acc = ct.zeros((M, D), ct.float32)
     for pi in range(p0, p1):
         page = ct.load(bt, (pi,), shape=())
-        m_i, l_i, acc = _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i,
-                                     acc, scale2, M, D, PS, INT8)
+        m_i, l_i, acc = _attend_page(
+            qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i, acc, scale2, M, D, PS, INT8
+        )
     op = o_part.slice(axis=2, start=h * G, stop=h * G + G)
     ct.store(op, (s, 0, 0, 0), ct.reshape(acc, (1, TP, GP, D)))
     mp = m_part.slice(axis=2, start=h * G, stop=h * G + G)
@@ -149,8 +177,7 @@ def decode_combine_kernel(o_part, m_part, l_part, out, SP: ConstInt, D: ConstInt
     pdl_prologue()
     t = ct.bid(0)
     hq = ct.bid(1)
-    m = ct.reshape(ct.load(m_part, (0, t, hq), shape=(SP, 1, 1),
-                           padding_mode=ct.PaddingMode.NEG_INF), (SP, 1))
+    m = ct.reshape(ct.load(m_part, (0, t, hq), shape=(SP, 1, 1), padding_mode=ct.PaddingMode.NEG_INF), (SP, 1))
     l = ct.reshape(ct.load(l_part, (0, t, hq), shape=(SP, 1, 1), padding_mode=ZERO), (SP, 1))
     o = ct.reshape(ct.load(o_part, (0, t, hq, 0), shape=(SP, 1, 1, D), padding_mode=ZERO), (SP, D))
     mx = ct.max(m, axis=0, keepdims=True)
@@ -187,8 +214,9 @@ def _unsupported(D: int, PS: int, block_table: torch.Tensor, positions: torch.Te
     return None
 
 
-def attention(q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positions: torch.Tensor,
-              sm_scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positions: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
     """Causal paged attention with GQA for queries at ``positions`` over the cached sequence.
 
     q: [T, heads, d] (rotated; the keys/values of these positions already written); layer: KV
@@ -222,12 +250,16 @@ def attention(q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positi
         o_part = workspace("attn_o", (S, T, H, D), torch.float32, q.device)
         m_part = workspace("attn_m", (S, T, H), torch.float32, q.device)
         l_part = workspace("attn_l", (S, T, H), torch.float32, q.device)
-        launch(decode_split_kernel, (KVH, S, 1),
-               (q, layer.k, layer.v, ks, vs, block_table, positions, o_part, m_part, l_part,
-                scale2, tp, gp, D, PS, int8))
+        launch(
+            decode_split_kernel,
+            (KVH, S, 1),
+            (q, layer.k, layer.v, ks, vs, block_table, positions, o_part, m_part, l_part, scale2, tp, gp, D, PS, int8),
+        )
         launch(decode_combine_kernel, (T, H, 1), (o_part, m_part, l_part, out, S, D))
         return out
-    launch(prefill_attention_kernel, (cdiv(T, PREFILL_TM), H, 1),
-           (q, layer.k, layer.v, ks, vs, block_table, positions, out, scale2, PREFILL_TM, D, PS,
-            int8))
+    launch(
+        prefill_attention_kernel,
+        (cdiv(T, PREFILL_TM), H, 1),
+        (q, layer.k, layer.v, ks, vs, block_table, positions, out, scale2, PREFILL_TM, D, PS, int8),
+    )
     return out

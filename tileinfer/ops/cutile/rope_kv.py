@@ -10,14 +10,13 @@ is PagedAttention's, Kwon et al. 2023).
 
 from __future__ import annotations
 
+import cuda.tile as ct
 import torch
 
-import cuda.tile as ct
 from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
-from tileinfer.ops.cutile._common import (ZERO, ConstBool, ConstInt, dummy, is_pow2, launch,
-                                          next_pow2, pdl_prologue)
+from tileinfer.ops.cutile._common import ZERO, ConstBool, ConstInt, dummy, is_pow2, launch, next_pow2, pdl_prologue
 
 # 1.5 * 2**23: adding and subtracting it rounds a float32 |x| < 2**22 to the nearest integer,
 # ties to even (IEEE round-to-nearest), which is torch.round's rule.
@@ -51,8 +50,7 @@ def _load_norm_w(w, HP, HALF, PER_HEAD, half):
 
 def _quantize(x1, x2, KP):
     """Symmetric INT8 of each head vector (halves [1, KP, HALF]): int8 halves, scale [1, KP, 1]."""
-    amax = ct.maximum(ct.max(ct.abs(x1), axis=2, keepdims=True),
-                      ct.max(ct.abs(x2), axis=2, keepdims=True))
+    amax = ct.maximum(ct.max(ct.abs(x1), axis=2, keepdims=True), ct.max(ct.abs(x2), axis=2, keepdims=True))
     # IEEE divisions (not the approximate ones), as the reference's tensor / tensor on any device
     scale = ct.truediv(amax, 127.0, rounding_mode=ct.RoundingMode.RN)
     safe = ct.where(scale > 0.0, scale, 1.0)
@@ -64,10 +62,31 @@ def _quantize(x1, x2, KP):
 
 
 @ct.kernel
-def qk_norm_rope_kv_kernel(q, k, v, qn, kn, cos, sin, kc, vc, ks, vs, bt, pos, q_out, eps: float,
-                           HP: ConstInt, KP: ConstInt, HALF: ConstInt, PS: ConstInt,
-                           HAS_NORM: ConstBool, Q_PER_HEAD: ConstBool, K_PER_HEAD: ConstBool,
-                           INT8: ConstBool):
+def qk_norm_rope_kv_kernel(
+    q,
+    k,
+    v,
+    qn,
+    kn,
+    cos,
+    sin,
+    kc,
+    vc,
+    ks,
+    vs,
+    bt,
+    pos,
+    q_out,
+    eps: float,
+    HP: ConstInt,
+    KP: ConstInt,
+    HALF: ConstInt,
+    PS: ConstInt,
+    HAS_NORM: ConstBool,
+    Q_PER_HEAD: ConstBool,
+    K_PER_HEAD: ConstBool,
+    INT8: ConstBool,
+):
     pdl_prologue()
     t = ct.bid(0)
     p = ct.load(pos, (t,), shape=())
@@ -123,10 +142,19 @@ def _norm_2d(w: torch.Tensor | None, heads: int, d: int):
     return None
 
 
-def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                          cos_table: torch.Tensor, sin_table: torch.Tensor, layer: KVLayer,
-                          block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def qk_norm_rope_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    layer: KVLayer,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
     """Per-head q/k RMSNorm (when given) + RoPE + K/V page write, in one kernel launch.
 
     q: [T, heads, d]; k, v: [T, kv_heads, d] (strided views of the fused qkv output are fine);
@@ -154,16 +182,42 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         why = None
     if why:
         fallback("cutile", "qk_norm_rope_kv_write", why)
-        return ref.qk_norm_rope_kv_write(q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer,
-                                         block_table, positions)
+        return ref.qk_norm_rope_kv_write(
+            q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer, block_table, positions
+        )
     q_out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out
     int8 = layer.int8
     ks = layer.k_scale if int8 else dummy(q.device)
     vs = layer.v_scale if int8 else dummy(q.device)
-    launch(qk_norm_rope_kv_kernel, (T, 1, 1),
-           (q, k, v, qn[0], kn[0], cos_table, sin_table, layer.k, layer.v, ks, vs, block_table,
-            positions, q_out, float(eps), next_pow2(H), next_pow2(KVH), d // 2, layer.page_size,
-            q_norm is not None, qn[1], kn[1], int8))
+    launch(
+        qk_norm_rope_kv_kernel,
+        (T, 1, 1),
+        (
+            q,
+            k,
+            v,
+            qn[0],
+            kn[0],
+            cos_table,
+            sin_table,
+            layer.k,
+            layer.v,
+            ks,
+            vs,
+            block_table,
+            positions,
+            q_out,
+            float(eps),
+            next_pow2(H),
+            next_pow2(KVH),
+            d // 2,
+            layer.page_size,
+            q_norm is not None,
+            qn[1],
+            kn[1],
+            int8,
+        ),
+    )
     return q_out

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 
+import cuda.tile as ct
 import torch
 
-import cuda.tile as ct
 from tileinfer.ops.cutile._common import ConstInt, cdiv, launch, next_pow2, pdl_prologue, workspace
 
-CHUNK = 4096            # logits per block in argmax, per step of the sampling passes
+CHUNK = 4096  # logits per block in argmax, per step of the sampling passes
 MAX_BISECT = 64
 _INF = math.inf
 
@@ -36,8 +36,7 @@ def argmax_partial_kernel(logits, vals, idxs, CH: ConstInt):
     pdl_prologue()
     t = ct.bid(0)
     c = ct.bid(1)
-    x = ct.reshape(ct.load(logits, (t, c), shape=(1, CH), padding_mode=ct.PaddingMode.NEG_INF),
-                   (CH,))
+    x = ct.reshape(ct.load(logits, (t, c), shape=(1, CH), padding_mode=ct.PaddingMode.NEG_INF), (CH,))
     ct.store(vals, (t, c), ct.max(x))
     ct.store(idxs, (t, c), ct.argmax(x) + c * CH)
 
@@ -46,10 +45,9 @@ def argmax_partial_kernel(logits, vals, idxs, CH: ConstInt):
 def argmax_final_kernel(vals, idxs, out, CP: ConstInt):
     pdl_prologue()
     t = ct.bid(0)
-    v = ct.reshape(ct.load(vals, (t, 0), shape=(1, CP), padding_mode=ct.PaddingMode.NEG_INF),
-                   (CP,))
+    v = ct.reshape(ct.load(vals, (t, 0), shape=(1, CP), padding_mode=ct.PaddingMode.NEG_INF), (CP,))
     ix = ct.reshape(ct.load(idxs, (t, 0), shape=(1, CP), padding_mode=ct.PaddingMode.ZERO), (CP,))
-    j = ct.argmax(v)   # lowest chunk among equal maxima -> lowest id overall
+    j = ct.argmax(v)  # lowest chunk among equal maxima -> lowest id overall
     sel = ct.sum(ct.where(ct.arange(CP, dtype=ct.int32) == j, ix, 0))
     ct.store(out, (t,), ct.astype(sel, ct.int64))
 
@@ -72,8 +70,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk(logits, t, c, temp, CH):
-    x = ct.reshape(ct.load(logits, (t, c), shape=(1, CH), padding_mode=ct.PaddingMode.NEG_INF),
-                   (CH,))
+    x = ct.reshape(ct.load(logits, (t, c), shape=(1, CH), padding_mode=ct.PaddingMode.NEG_INF), (CH,))
     return x / temp
 
 
@@ -161,7 +158,7 @@ def sample_kernel(logits, u, out, temp: float, top_k: int, top_p: float, CH: Con
         if _mass_ge(logits, t, nc, temp, mx, mx, CH) >= target:
             tau = mx
         else:
-            lo = ct.maximum(tk, mn)   # S(lo) is the whole top-k set (mn: smallest finite logit)
+            lo = ct.maximum(tk, mn)  # S(lo) is the whole top-k set (mn: smallest finite logit)
             hi = mx
             it = 0
             done = False
@@ -172,10 +169,10 @@ def sample_kernel(logits, u, out, temp: float, top_k: int, top_p: float, CH: Con
                 else:
                     z, zmin = _set_stats(logits, t, nc, temp, mid, mx, CH)
                     if z < target:
-                        hi = mid            # too few kept: lower the threshold
+                        hi = mid  # too few kept: lower the threshold
                     else:
                         lo = mid
-                        done = z - zmin < target   # its smallest member is kept: exact set
+                        done = z - zmin < target  # its smallest member is kept: exact set
                 it += 1
             tau = lo
 
@@ -193,12 +190,13 @@ def sample_kernel(logits, u, out, temp: float, top_k: int, top_p: float, CH: Con
         cs = ct.cumsum(e, axis=0) + run
         idx = idx + ct.sum(ct.astype(cs <= target, ct.int32))
         run = run + ct.sum(e)
-    idx = ct.where(idx >= V, am, idx)   # u * z rounded up to z: fall back to the most likely
+    idx = ct.where(idx >= V, am, idx)  # u * z rounded up to z: fall back to the most likely
     ct.store(out, (t,), ct.astype(idx, ct.int64))
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-           generator: torch.Generator | None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
     """Sample one token per row with temperature, then top-k, then top-p filtering.
 
     logits: float32 [T, vocab]; top_k <= 0 keeps all; top_p >= 1 keeps all; the most likely token
@@ -211,6 +209,5 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     if T == 0:
         return out
     u = torch.rand(T, generator=generator, device=logits.device, dtype=torch.float32)
-    launch(sample_kernel, (T, 1, 1),
-           (logits, u, out, float(max(temperature, 1e-6)), int(top_k), float(top_p), CHUNK))
+    launch(sample_kernel, (T, 1, 1), (logits, u, out, float(max(temperature, 1e-6)), int(top_k), float(top_p), CHUNK))
     return out

@@ -21,9 +21,9 @@ a host-to-device copy and is not capturable).
 Set ``TRITON_INTERPRET=1`` before importing this package to run the kernels on the CPU.
 """
 
-from tileinfer.ops.triton.paged_attention import attention
 from tileinfer.ops.triton.gemm import linear, lm_head, swiglu
 from tileinfer.ops.triton.norms import add_rms_norm, embedding, rms_norm
+from tileinfer.ops.triton.paged_attention import attention
 from tileinfer.ops.triton.rope_kv import qk_norm_rope_kv_write
 from tileinfer.ops.triton.sampling import argmax, sample
 
@@ -31,5 +31,15 @@ from tileinfer.ops.triton.sampling import argmax, sample
 # or data-dependent host branching in a step): the runner replays decode steps from one graph.
 CUDA_GRAPHS = True
 
-__all__ = ["embedding", "rms_norm", "add_rms_norm", "linear", "swiglu", "lm_head",
-           "qk_norm_rope_kv_write", "attention", "argmax", "sample"]
+__all__ = [
+    "embedding",
+    "rms_norm",
+    "add_rms_norm",
+    "linear",
+    "swiglu",
+    "lm_head",
+    "qk_norm_rope_kv_write",
+    "attention",
+    "argmax",
+    "sample",
+]

@@ -16,8 +16,14 @@ import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
-       torch.int8: tl.int8, torch.int32: tl.int32, torch.int64: tl.int64}
+_TL = {
+    torch.bfloat16: tl.bfloat16,
+    torch.float16: tl.float16,
+    torch.float32: tl.float32,
+    torch.int8: tl.int8,
+    torch.int32: tl.int32,
+    torch.int64: tl.int64,
+}
 
 
 def tl_dtype(dt: torch.dtype):

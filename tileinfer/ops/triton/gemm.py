@@ -33,8 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tileinfer.ops import Int8Weight, fallback
 from tileinfer.ops import reference as ref
-from tileinfer.ops.triton._common import (INTERPRET, cast, cdiv, dot_dtype, dot_precision,
-                                          i8x4_byte_to_f32)
+from tileinfer.ops.triton._common import INTERPRET, cast, cdiv, dot_dtype, dot_precision, i8x4_byte_to_f32
 
 GEMV_MAX_ROWS = 16
 
@@ -60,9 +59,21 @@ def _weight_rows(pid, N, UP_OFF, BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(y, offs_t, T, cols, N, s_ptr, b_ptr, o_ptr, stride_ot,
-              W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-              ROUND: tl.constexpr):
+def _epilogue(
+    y,
+    offs_t,
+    T,
+    cols,
+    N,
+    s_ptr,
+    b_ptr,
+    o_ptr,
+    stride_ot,
+    W_INT8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    ROUND: tl.constexpr,
+):
     """y: float32 [rows, tile_cols] -> scale, bias, SwiGLU, store; rounding as the reference does.
 
     The reference rounds the product to the output dtype, then scales (INT8) and rounds again, then
@@ -135,11 +146,31 @@ def _row_fma(acc, wv, x_ptr, k0, K, KW: tl.constexpr, W_INT8: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])  # row count: masks handle any value
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, T, N, K, stride_xt, stride_wn, stride_ot, UP_OFF,
-                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                 EVEN_K: tl.constexpr, ROUND: tl.constexpr, DOT_T: tl.constexpr,
-                 PREC: tl.constexpr, PREFETCH: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    o_ptr,
+    T,
+    N,
+    K,
+    stride_xt,
+    stride_wn,
+    stride_ot,
+    UP_OFF,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_INT8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ROUND: tl.constexpr,
+    DOT_T: tl.constexpr,
+    PREC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     """out[t, n] = sum_k x[t, k] * w[n, k] for T <= 16 rows.
 
     BLOCK_T == 1: float32 products accumulated elementwise in a [BLOCK_N, BLOCK_K(/4)] register
@@ -187,11 +218,31 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, T, N, K, stride_xt, stride_w
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om, UP_OFF,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, W_INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SWIGLU: tl.constexpr, EVEN_K: tl.constexpr, ROUND: tl.constexpr,
-                 DOT_T: tl.constexpr, PREC: tl.constexpr):
+def _gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    o_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    UP_OFF,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    W_INT8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ROUND: tl.constexpr,
+    DOT_T: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Tiled GEMM out[m, n] = sum_k x[m, k] * w[n, k] (Triton's matmul tutorial: grouped order).
 
     W_INT8: w_ptr holds int8 [N, K]; each tile is converted to the dot type in registers.
@@ -236,11 +287,30 @@ def _tile_coords(tile, grid_m, grid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemm_tma_kernel(a_desc, b_desc, s_ptr, bias_ptr, o_ptr, M, N, K, stride_om, UP_OFF,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, W_INT8: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, ROUND: tl.constexpr,
-                     DOT_T: tl.constexpr, PREC: tl.constexpr, WARP_SPEC: tl.constexpr):
+def _gemm_tma_kernel(
+    a_desc,
+    b_desc,
+    s_ptr,
+    bias_ptr,
+    o_ptr,
+    M,
+    N,
+    K,
+    stride_om,
+    UP_OFF,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    W_INT8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    ROUND: tl.constexpr,
+    DOT_T: tl.constexpr,
+    PREC: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):
     """Persistent GEMM with TMA loads (Triton tutorial 09): NUM_SMS programs walk the output tiles.
 
     Tiles are loaded by the bulk tensor copy engine through descriptors (out-of-range rows and
@@ -252,8 +322,7 @@ def _gemm_tma_kernel(a_desc, b_desc, s_ptr, bias_ptr, o_ptr, M, N, K, stride_om,
     grid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     out_t: tl.constexpr = o_ptr.dtype.element_ty
-    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True,
-                         warp_specialize=WARP_SPEC):
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True, warp_specialize=WARP_SPEC):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
         om = pid_m * BLOCK_M
         on = pid_n * BLOCK_N
@@ -317,8 +386,7 @@ GEMV16_INT8 = (32, 256, 4, 4)
 GEMM_TILES = {
     # plain GEMMs: 128 x 256 TMA tiles won every plain shape of the H200 sweep except the 4B qkv
     # (128 x 128 there), even where 80 tiles leave SMs idle (smaller tiles lose more per tile)
-    "bf16": [(128, 256, 64, 8, 8, 3, "tma"), (128, 128, 64, 8, 8, 4, "tma_ws"),
-             (64, 128, 64, 8, 4, 4, "ptr")],
+    "bf16": [(128, 256, 64, 8, 8, 3, "tma"), (128, 128, 64, 8, 8, 4, "tma_ws"), (64, 128, 64, 8, 4, 4, "ptr")],
     # SwiGLU: two accumulators, so 128 x 128 output tiles (= 256 weight rows); 256 would spill
     "bf16_swiglu": [(128, 128, 64, 8, 8, 4, "tma_ws"), (64, 128, 64, 8, 4, 4, "ptr")],
     # INT8 weights converted in the kernel (M < INT8_DEQUANT_ROWS): the pointer kernel beat TMA
@@ -385,8 +453,7 @@ def _widen_kernel(q_ptr, o_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     # through float32: exact, and the interpreter has no int8 -> bf16 cast
-    tl.store(o_ptr + offs, cast(tl.load(q_ptr + offs, mask=m).to(tl.float32), o_ptr.dtype.element_ty),
-             mask=m)
+    tl.store(o_ptr + offs, cast(tl.load(q_ptr + offs, mask=m).to(tl.float32), o_ptr.dtype.element_ty), mask=m)
 
 
 def _widen_int8(q: torch.Tensor, dtype) -> torch.Tensor:
@@ -399,8 +466,14 @@ def _widen_int8(q: torch.Tensor, dtype) -> torch.Tensor:
 
 def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """TMA descriptors need 16-byte aligned bases and row strides."""
-    return (x.stride(1) == 1 and w.stride(1) == 1 and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-            and (x.stride(0) * x.element_size()) % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0)
+    return (
+        x.stride(1) == 1
+        and w.stride(1) == 1
+        and x.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+        and (x.stride(0) * x.element_size()) % 16 == 0
+        and (w.stride(0) * w.element_size()) % 16 == 0
+    )
 
 
 _SMS: dict = {}
@@ -471,10 +544,32 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
             wv, stride_wn = wq, wq.stride(0)
         cols = bn // 2 if swiglu else bn
         _gemv_kernel[(cdiv(N, cols),)](
-            x, wv, scale, b, out, T, N, K, x.stride(0), stride_wn, out.stride(0), up_off,
-            BLOCK_T=1 if T == 1 else 16, BLOCK_N=bn, BLOCK_K=bk, W_INT8=mode, HAS_BIAS=has_bias,
-            SWIGLU=swiglu, EVEN_K=K % bk == 0, ROUND=round_, DOT_T=dot_t, PREC=prec,
-            PREFETCH=prefetch, num_warps=warps, num_stages=stages)
+            x,
+            wv,
+            scale,
+            b,
+            out,
+            T,
+            N,
+            K,
+            x.stride(0),
+            stride_wn,
+            out.stride(0),
+            up_off,
+            BLOCK_T=1 if T == 1 else 16,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            W_INT8=mode,
+            HAS_BIAS=has_bias,
+            SWIGLU=swiglu,
+            EVEN_K=K % bk == 0,
+            ROUND=round_,
+            DOT_T=dot_t,
+            PREC=prec,
+            PREFETCH=prefetch,
+            num_warps=warps,
+            num_stages=stages,
+        )
     else:
         if int8 and T >= INT8_DEQUANT_ROWS:
             if not wq.is_contiguous():  # the widening pass reads the weight as one flat block
@@ -494,20 +589,63 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
         if kind == "ptr":
             wcols = bn * 2 if swiglu else bn  # the pointer kernel's tile holds gate and up rows
             _gemm_kernel[(cdiv(T, bm) * cdiv(N, bn),)](
-                x, wq, scale, b, out, T, N, K, x.stride(0), wq.stride(0), out.stride(0), up_off,
-                BLOCK_M=bm, BLOCK_N=wcols, BLOCK_K=bk, GROUP_M=gm, W_INT8=int8, HAS_BIAS=has_bias,
-                SWIGLU=swiglu, EVEN_K=K % bk == 0, ROUND=round_, DOT_T=dot_t, PREC=prec,
-                num_warps=warps, num_stages=stages)
+                x,
+                wq,
+                scale,
+                b,
+                out,
+                T,
+                N,
+                K,
+                x.stride(0),
+                wq.stride(0),
+                out.stride(0),
+                up_off,
+                BLOCK_M=bm,
+                BLOCK_N=wcols,
+                BLOCK_K=bk,
+                GROUP_M=gm,
+                W_INT8=int8,
+                HAS_BIAS=has_bias,
+                SWIGLU=swiglu,
+                EVEN_K=K % bk == 0,
+                ROUND=round_,
+                DOT_T=dot_t,
+                PREC=prec,
+                num_warps=warps,
+                num_stages=stages,
+            )
         else:
             a_desc = TensorDescriptor(x, [T, K], [x.stride(0), 1], [bm, bk])
             b_desc = TensorDescriptor(wq, [n_rows, K], [wq.stride(0), 1], [bn, bk])
             n_sms = _num_sms(x.device)
             grid = (min(n_sms, cdiv(T, bm) * cdiv(N, bn)),)
             _gemm_tma_kernel[grid](
-                a_desc, b_desc, scale, b, out, T, N, K, out.stride(0), up_off,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, NUM_SMS=n_sms, W_INT8=int8,
-                HAS_BIAS=has_bias, SWIGLU=swiglu, ROUND=round_, DOT_T=dot_t, PREC=prec,
-                WARP_SPEC=kind == "tma_ws" and not INTERPRET, num_warps=warps, num_stages=stages)
+                a_desc,
+                b_desc,
+                scale,
+                b,
+                out,
+                T,
+                N,
+                K,
+                out.stride(0),
+                up_off,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                BLOCK_K=bk,
+                GROUP_M=gm,
+                NUM_SMS=n_sms,
+                W_INT8=int8,
+                HAS_BIAS=has_bias,
+                SWIGLU=swiglu,
+                ROUND=round_,
+                DOT_T=dot_t,
+                PREC=prec,
+                WARP_SPEC=kind == "tma_ws" and not INTERPRET,
+                num_warps=warps,
+                num_stages=stages,
+            )
     return out
 
 

@@ -39,14 +39,30 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     if T == 0:
         return out
     block = min(next_pow2(H), 2048)
-    _embedding_kernel[(T, triton.cdiv(H, block))](ids, table, out, H, table.stride(0), out.stride(0),
-                                                   BLOCK=block, num_warps=4)
+    _embedding_kernel[(T, triton.cdiv(H, block))](
+        ids, table, out, H, table.stride(0), out.stride(0), BLOCK=block, num_warps=4
+    )
     return out
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n, w_rows, stride_x, stride_r, stride_y,
-                     stride_s, stride_w, eps, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    y_ptr,
+    s_ptr,
+    n,
+    w_rows,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_s,
+    stride_w,
+    eps,
+    BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < n
@@ -71,7 +87,7 @@ def _weight_rows(weight: torch.Tensor, x_shape, n: int):
         w = w[0]
     if w.numel() == n:
         return w.reshape(1, n)
-    if w.dim() >= 2 and tuple(x_shape[-w.dim():]) == tuple(w.shape):
+    if w.dim() >= 2 and tuple(x_shape[-w.dim() :]) == tuple(w.shape):
         return w.reshape(-1, n)
     return None
 
@@ -103,9 +119,24 @@ def _launch_norm(x, residual, weight, eps):
         return y, (s if residual is not None else None)
     block = next_pow2(n)
     warps = 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
-    _rms_norm_kernel[(rows,)](x2, r2, w2, y2, s2, n, w2.shape[0], x2.stride(0), r2.stride(0),
-                              y2.stride(0), s2.stride(0), w2.stride(0), float(eps),
-                              BLOCK=block, HAS_RES=residual is not None, num_warps=warps)
+    _rms_norm_kernel[(rows,)](
+        x2,
+        r2,
+        w2,
+        y2,
+        s2,
+        n,
+        w2.shape[0],
+        x2.stride(0),
+        r2.stride(0),
+        y2.stride(0),
+        s2.stride(0),
+        w2.stride(0),
+        float(eps),
+        BLOCK=block,
+        HAS_RES=residual is not None,
+        num_warps=warps,
+    )
     return y, (s if residual is not None else None)
 
 

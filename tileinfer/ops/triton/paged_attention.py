@@ -37,8 +37,7 @@ import triton.language as tl
 from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
-from tileinfer.ops.triton._common import (cast, cdiv, dot_dtype, dot_precision, i8x4_byte_to_f32,
-                                          next_pow2)
+from tileinfer.ops.triton._common import cast, cdiv, dot_dtype, dot_precision, i8x4_byte_to_f32, next_pow2
 
 DECODE_MAX_ROWS = 16
 LOG2E = 1.4426950408889634
@@ -46,8 +45,9 @@ NEG = -1.0e30  # finite "minus infinity" for running maxima: fully masked rows s
 
 
 @triton.jit
-def _kv_offsets(bt_ptr, n, kvh, MAXP, stride_cp, stride_ch, stride_cs, stride_sp, stride_sh,
-                stride_ss, PAGE: tl.constexpr):
+def _kv_offsets(
+    bt_ptr, n, kvh, MAXP, stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss, PAGE: tl.constexpr
+):
     """Element offsets of key positions ``n`` (a vector) in the cache and in the scale arrays."""
     page = tl.load(bt_ptr + tl.minimum(n // PAGE, MAXP - 1)).to(tl.int64)
     slot = n % PAGE
@@ -71,14 +71,40 @@ def _unpack_i8x4(w):
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, n, pos_r, hi_pos, kvh, bt_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                  MAXP, stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss, qk_scale,
-                  HEAD_D: tl.constexpr, PAGE: tl.constexpr, INT8: tl.constexpr,
-                  MASK: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
+def _attend_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    n,
+    pos_r,
+    hi_pos,
+    kvh,
+    bt_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    MAXP,
+    stride_cp,
+    stride_ch,
+    stride_cs,
+    stride_sp,
+    stride_sh,
+    stride_ss,
+    qk_scale,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    INT8: tl.constexpr,
+    MASK: tl.constexpr,
+    DOT_T: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One FlashAttention-2 step over the keys ``n``: scores, online softmax, P @ V."""
     d = tl.arange(0, HEAD_D)
-    c_off, s_off = _kv_offsets(bt_ptr, n, kvh, MAXP, stride_cp, stride_ch, stride_cs,
-                               stride_sp, stride_sh, stride_ss, PAGE)
+    c_off, s_off = _kv_offsets(
+        bt_ptr, n, kvh, MAXP, stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss, PAGE
+    )
     k = tl.load(k_ptr + c_off[:, None] + d[None, :])
     live = n <= hi_pos
     s = tl.dot(q, tl.trans(k.to(DOT_T)), input_precision=PREC)
@@ -123,26 +149,51 @@ def _attend_block(acc, m_i, l_i, q, n, pos_r, hi_pos, kvh, bt_ptr, k_ptr, v_ptr,
 
 
 @triton.jit
-def _load_q(q_ptr, pos_ptr, r, T, G, kvh, stride_qt, stride_qh, HEAD_D: tl.constexpr,
-            DOT_T: tl.constexpr):
+def _load_q(q_ptr, pos_ptr, r, T, G, kvh, stride_qt, stride_qh, HEAD_D: tl.constexpr, DOT_T: tl.constexpr):
     """Rows r of the packed query tile: token r // G, head kvh * G + r % G; and their positions."""
     t = r // G
     h = kvh * G + r % G
     ok = t < T
     pos = tl.load(pos_ptr + t, mask=ok, other=0).to(tl.int32)
     d = tl.arange(0, HEAD_D)
-    q = tl.load(q_ptr + t[:, None].to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :],
-                mask=ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + t[:, None].to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :], mask=ok[:, None], other=0.0
+    )
     return q.to(DOT_T), pos, t, h, ok
 
 
 @triton.jit(do_not_specialize=["T", "G"])
 def _attn_prefill_kernel(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, pos_ptr, o_ptr, T, G, MAXP, qk_scale,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss,
-        HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        INT8: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    bt_ptr,
+    pos_ptr,
+    o_ptr,
+    T,
+    G,
+    MAXP,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cp,
+    stride_ch,
+    stride_cs,
+    stride_sp,
+    stride_sh,
+    stride_ss,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INT8: tl.constexpr,
+    DOT_T: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Causal paged attention for a chunk of T query tokens (GQA-packed rows, FlashAttention-2)."""
     kvh = tl.program_id(1)
     mb = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest row blocks first
@@ -157,16 +208,66 @@ def _attn_prefill_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_D), tl.float32)
     for j in range(0, n_full):
         n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, n, pos_r, hi_pos, kvh, bt_ptr, k_ptr, v_ptr,
-                                      ks_ptr, vs_ptr, MAXP, stride_cp, stride_ch, stride_cs,
-                                      stride_sp, stride_sh, stride_ss, qk_scale, HEAD_D, PAGE, INT8,
-                                      False, DOT_T, PREC)
+        acc, m_i, l_i = _attend_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            n,
+            pos_r,
+            hi_pos,
+            kvh,
+            bt_ptr,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            MAXP,
+            stride_cp,
+            stride_ch,
+            stride_cs,
+            stride_sp,
+            stride_sh,
+            stride_ss,
+            qk_scale,
+            HEAD_D,
+            PAGE,
+            INT8,
+            False,
+            DOT_T,
+            PREC,
+        )
     for j in range(n_full, n_end):
         n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, n, pos_r, hi_pos, kvh, bt_ptr, k_ptr, v_ptr,
-                                      ks_ptr, vs_ptr, MAXP, stride_cp, stride_ch, stride_cs,
-                                      stride_sp, stride_sh, stride_ss, qk_scale, HEAD_D, PAGE, INT8,
-                                      True, DOT_T, PREC)
+        acc, m_i, l_i = _attend_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            n,
+            pos_r,
+            hi_pos,
+            kvh,
+            bt_ptr,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            MAXP,
+            stride_cp,
+            stride_ch,
+            stride_cs,
+            stride_sp,
+            stride_sh,
+            stride_ss,
+            qk_scale,
+            HEAD_D,
+            PAGE,
+            INT8,
+            True,
+            DOT_T,
+            PREC,
+        )
     out = acc / l_i[:, None]
     d = tl.arange(0, HEAD_D)
     o = o_ptr + t[:, None].to(tl.int64) * stride_ot + h[:, None] * stride_oh + d[None, :]
@@ -175,11 +276,37 @@ def _attn_prefill_kernel(
 
 @triton.jit(do_not_specialize=["T", "G", "H"])
 def _attn_decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, pos_ptr, wacc_ptr, wml_ptr, T, G, H, MAXP,
-        qk_scale, stride_qt, stride_qh,
-        stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss,
-        HEAD_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_T: tl.constexpr, INT8: tl.constexpr, DOT_T: tl.constexpr, PREC: tl.constexpr):
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    bt_ptr,
+    pos_ptr,
+    wacc_ptr,
+    wml_ptr,
+    T,
+    G,
+    H,
+    MAXP,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_cp,
+    stride_ch,
+    stride_cs,
+    stride_sp,
+    stride_sh,
+    stride_ss,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    INT8: tl.constexpr,
+    DOT_T: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One (kv_head, context chunk) of split-KV decode: unnormalised partial acc, max, sum.
 
     Partials go to wacc [splits, T * H, HEAD_D] and wml [splits, 2, T * H] (max in log2 units, sum).
@@ -200,10 +327,35 @@ def _attn_decode_split_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_D), tl.float32)
     for j in range(start, end):
         n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, n, pos_r, hi_pos, kvh, bt_ptr, k_ptr, v_ptr,
-                                      ks_ptr, vs_ptr, MAXP, stride_cp, stride_ch, stride_cs,
-                                      stride_sp, stride_sh, stride_ss, qk_scale, HEAD_D, PAGE, INT8,
-                                      True, DOT_T, PREC)
+        acc, m_i, l_i = _attend_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            n,
+            pos_r,
+            hi_pos,
+            kvh,
+            bt_ptr,
+            k_ptr,
+            v_ptr,
+            ks_ptr,
+            vs_ptr,
+            MAXP,
+            stride_cp,
+            stride_ch,
+            stride_cs,
+            stride_sp,
+            stride_sh,
+            stride_ss,
+            qk_scale,
+            HEAD_D,
+            PAGE,
+            INT8,
+            True,
+            DOT_T,
+            PREC,
+        )
     rows = T * H
     row = (t * H + h).to(tl.int64)
     d = tl.arange(0, HEAD_D)
@@ -214,8 +366,9 @@ def _attn_decode_split_kernel(
 
 
 @triton.jit(do_not_specialize=["H", "rows"])
-def _attn_combine_kernel(wacc_ptr, wml_ptr, o_ptr, H, rows, n_splits, stride_ot, stride_oh,
-                         HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _attn_combine_kernel(
+    wacc_ptr, wml_ptr, o_ptr, H, rows, n_splits, stride_ot, stride_oh, HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr
+):
     """Merge the split partials of one (token, head) row: out = sum_s w_s acc_s / sum_s w_s l_s."""
     row = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
@@ -224,8 +377,7 @@ def _attn_combine_kernel(wacc_ptr, wml_ptr, o_ptr, H, rows, n_splits, stride_ot,
     l = tl.load(wml_ptr + 2 * s.to(tl.int64) * rows + rows + row, mask=ok, other=0.0)
     w = tl.math.exp2(m - tl.max(m, axis=0))
     d = tl.arange(0, HEAD_D)
-    a = tl.load(wacc_ptr + (s.to(tl.int64) * rows + row)[:, None] * HEAD_D + d[None, :],
-                mask=ok[:, None], other=0.0)
+    a = tl.load(wacc_ptr + (s.to(tl.int64) * rows + row)[:, None] * HEAD_D + d[None, :], mask=ok[:, None], other=0.0)
     out = tl.sum(a * w[:, None], axis=0) / tl.sum(w * l, axis=0)
     t = row // H
     h = row % H
@@ -290,8 +442,9 @@ def _cache_args(layer: KVLayer):
     return kc, vc, ks, vs, (kc.stride(0), kc.stride(1), kc.stride(2)) + sc
 
 
-def attention(q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positions: torch.Tensor,
-              sm_scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positions: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
     """Causal paged attention with GQA for queries at ``positions`` over the cached sequence.
 
     q: [T, heads, d] (rotated; the keys/values of these positions already written); layer: the
@@ -330,19 +483,76 @@ def attention(q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positi
         wacc = torch.empty((splits, rows, D), dtype=torch.float32, device=q.device)
         wml = torch.empty((splits, 2, rows), dtype=torch.float32, device=q.device)
         _attn_decode_split_kernel[(KVH, splits)](
-            q, kc, vc, ks, vs, block_table, positions, wacc, wml, T, G, H, maxp, qk_scale,
-            q.stride(0), q.stride(1), *strides,
-            HEAD_D=D, PAGE=PAGE, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_T=next_pow2(T), INT8=layer.int8,
-            DOT_T=dot_t, PREC=prec, num_warps=warps, num_stages=stages)
+            q,
+            kc,
+            vc,
+            ks,
+            vs,
+            block_table,
+            positions,
+            wacc,
+            wml,
+            T,
+            G,
+            H,
+            maxp,
+            qk_scale,
+            q.stride(0),
+            q.stride(1),
+            *strides,
+            HEAD_D=D,
+            PAGE=PAGE,
+            BLOCK_M=block_m,
+            BLOCK_N=bn,
+            BLOCK_T=next_pow2(T),
+            INT8=layer.int8,
+            DOT_T=dot_t,
+            PREC=prec,
+            num_warps=warps,
+            num_stages=stages,
+        )
         _attn_combine_kernel[(rows,)](
-            wacc, wml, out, H, rows, splits, out.stride(0), out.stride(1),
-            HEAD_D=D, BLOCK_S=next_pow2(splits), num_warps=4 if splits * D >= 4096 else 2)
+            wacc,
+            wml,
+            out,
+            H,
+            rows,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_D=D,
+            BLOCK_S=next_pow2(splits),
+            num_warps=4 if splits * D >= 4096 else 2,
+        )
     else:
         tile = PREFILL_TILE_SMALL if (T * G <= PREFILL_SMALL_ROWS and not layer.int8) else PREFILL_TILE_LARGE
         bm, bn, warps, stages = _OVERRIDE.get("prefill_tile", tile)
         _attn_prefill_kernel[(cdiv(T * G, bm), KVH)](
-            q, kc, vc, ks, vs, block_table, positions, out, T, G, maxp, qk_scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
-            HEAD_D=D, PAGE=PAGE, BLOCK_M=bm, BLOCK_N=bn, INT8=layer.int8, DOT_T=dot_t, PREC=prec,
-            num_warps=warps, num_stages=stages)
+            q,
+            kc,
+            vc,
+            ks,
+            vs,
+            block_table,
+            positions,
+            out,
+            T,
+            G,
+            maxp,
+            qk_scale,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            *strides,
+            HEAD_D=D,
+            PAGE=PAGE,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            INT8=layer.int8,
+            DOT_T=dot_t,
+            PREC=prec,
+            num_warps=warps,
+            num_stages=stages,
+        )
     return out

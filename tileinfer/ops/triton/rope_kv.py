@@ -57,13 +57,44 @@ def _quant_store(v_ptr, s_ptr, x1, x2, offs, HALF: tl.constexpr):
 
 @triton.jit(do_not_specialize=["N_HEADS"])
 def _qk_norm_rope_kv_kernel(
-        q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, bt_ptr, qo_ptr,
-        kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_qn, stride_kn, stride_cos, stride_ot, stride_oh,
-        stride_cp, stride_ch, stride_cs, stride_sp, stride_sh, stride_ss,
-        eps, N_HEADS, HEAD_D: tl.constexpr, PAGE: tl.constexpr,
-        HAS_NORM: tl.constexpr, INT8: tl.constexpr):
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qn_ptr,
+    kn_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    bt_ptr,
+    qo_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_qn,
+    stride_kn,
+    stride_cos,
+    stride_ot,
+    stride_oh,
+    stride_cp,
+    stride_ch,
+    stride_cs,
+    stride_sp,
+    stride_sh,
+    stride_ss,
+    eps,
+    N_HEADS,
+    HEAD_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    INT8: tl.constexpr,
+):
     HALF: tl.constexpr = HEAD_D // 2
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -72,15 +103,17 @@ def _qk_norm_rope_kv_kernel(
     cos = tl.load(cos_ptr + pos * stride_cos + offs)
     sin = tl.load(sin_ptr + pos * stride_cos + offs)
     if j < N_HEADS:
-        o1, o2 = _norm_rope(q_ptr + t * stride_qt + j * stride_qh, qn_ptr + j * stride_qn, cos, sin,
-                            offs, eps, HEAD_D, HAS_NORM)
+        o1, o2 = _norm_rope(
+            q_ptr + t * stride_qt + j * stride_qh, qn_ptr + j * stride_qn, cos, sin, offs, eps, HEAD_D, HAS_NORM
+        )
         out = qo_ptr + t * stride_ot + j * stride_oh
         tl.store(out + offs, cast(o1, qo_ptr.dtype.element_ty))
         tl.store(out + HALF + offs, cast(o2, qo_ptr.dtype.element_ty))
     else:
         h = j - N_HEADS
-        k1, k2 = _norm_rope(k_ptr + t * stride_kt + h * stride_kh, kn_ptr + h * stride_kn, cos, sin,
-                            offs, eps, HEAD_D, HAS_NORM)
+        k1, k2 = _norm_rope(
+            k_ptr + t * stride_kt + h * stride_kh, kn_ptr + h * stride_kn, cos, sin, offs, eps, HEAD_D, HAS_NORM
+        )
         # the rotated key is rounded to the model dtype first, as the reference hands it on
         kdt = k_ptr.dtype.element_ty
         k1 = cast(k1, kdt).to(tl.float32)
@@ -122,8 +155,9 @@ def _unsupported(q, k, v, q_norm, k_norm, cos_table, sin_table, layer: KVLayer) 
         return "q, k or v head vectors not contiguous"
     if cos_table.stride(1) != 1 or sin_table.stride() != cos_table.stride():
         return "cos/sin tables not contiguous rows of one layout"
-    if q_norm is not None and (_norm_stride(q_norm, q.shape[1], d) is None
-                               or _norm_stride(k_norm, k.shape[1], d) is None):
+    if q_norm is not None and (
+        _norm_stride(q_norm, q.shape[1], d) is None or _norm_stride(k_norm, k.shape[1], d) is None
+    ):
         return f"q/k norm weights {tuple(q_norm.shape)} / {tuple(k_norm.shape)} are not [d] or contiguous [heads, d]"
     if layer.k.stride() != layer.v.stride() or layer.k.stride(3) != 1:
         return "K and V pages of different layouts or with non-contiguous vectors"
@@ -132,10 +166,19 @@ def _unsupported(q, k, v, q_norm, k_norm, cos_table, sin_table, layer: KVLayer) 
     return None
 
 
-def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                          cos_table: torch.Tensor, sin_table: torch.Tensor, layer: KVLayer,
-                          block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def qk_norm_rope_kv_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    layer: KVLayer,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
     """Per-head q/k RMSNorm (when given) + RoPE (rotate-half) + K/V write into the pages, one launch.
 
     q: [T, heads, d]; k, v: [T, kv_heads, d] (strided views of the qkv GEMM output are fine, the
@@ -149,8 +192,9 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     why = _unsupported(q, k, v, q_norm, k_norm, cos_table, sin_table, layer)
     if why:
         fallback("triton", "qk_norm_rope_kv_write", why)
-        return ref.qk_norm_rope_kv_write(q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer,
-                                         block_table, positions)
+        return ref.qk_norm_rope_kv_write(
+            q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer, block_table, positions
+        )
     T, H, d = q.shape
     KVH = k.shape[1]
     q_out = torch.empty((T, H, d), dtype=q.dtype, device=q.device)
@@ -166,11 +210,43 @@ def qk_norm_rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     vs = layer.v_scale if layer.int8 else kc
     sp, sh, ss = (ks.stride(0), ks.stride(1), ks.stride(2)) if layer.int8 else (0, 0, 0)
     _qk_norm_rope_kv_kernel[(T, H + KVH)](
-        q, k, v, qn, kn, cos_table, sin_table, positions, block_table, q_out,
-        kc, vc, ks, vs,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        sqn, skn, cos_table.stride(0), q_out.stride(0), q_out.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), sp, sh, ss,
-        float(eps), N_HEADS=H, HEAD_D=d, PAGE=layer.page_size, HAS_NORM=has_norm,
-        INT8=layer.int8, num_warps=1 if d <= 64 else 2)
+        q,
+        k,
+        v,
+        qn,
+        kn,
+        cos_table,
+        sin_table,
+        positions,
+        block_table,
+        q_out,
+        kc,
+        vc,
+        ks,
+        vs,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        sqn,
+        skn,
+        cos_table.stride(0),
+        q_out.stride(0),
+        q_out.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        sp,
+        sh,
+        ss,
+        float(eps),
+        N_HEADS=H,
+        HEAD_D=d,
+        PAGE=layer.page_size,
+        HAS_NORM=has_norm,
+        INT8=layer.int8,
+        num_warps=1 if d <= 64 else 2,
+    )
     return q_out

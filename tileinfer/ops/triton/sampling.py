@@ -79,8 +79,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     S = cdiv(V, ARGMAX_CHUNK)
     pv = torch.empty((T, S), dtype=torch.float32, device=logits.device)
     pi = torch.empty((T, S), dtype=torch.int32, device=logits.device)
-    _argmax_partial_kernel[(T, S)](logits, pv, pi, V, S, logits.stride(0), CHUNK=ARGMAX_CHUNK,
-                                   num_warps=8)
+    _argmax_partial_kernel[(T, S)](logits, pv, pi, V, S, logits.stride(0), CHUNK=ARGMAX_CHUNK, num_warps=8)
     _argmax_final_kernel[(T,)](pv, pi, out, S, BLOCK_S=next_pow2(S), num_warps=1)
     return out
 
@@ -99,8 +98,9 @@ def _tempered(row_ptr, offs, V, temp):
 
 
 @triton.jit(do_not_specialize=["top_k"])
-def _sample_kernel(x_ptr, u_ptr, out_ptr, flag_ptr, V, stride_x, temp, top_k, top_p,
-                   BLOCK: tl.constexpr, ROUNDS: tl.constexpr):
+def _sample_kernel(
+    x_ptr, u_ptr, out_ptr, flag_ptr, V, stride_x, temp, top_k, top_p, BLOCK: tl.constexpr, ROUNDS: tl.constexpr
+):
     """The exact multi-pass sampler, one program per row; runs only for rows flagged by
     ``_select_kernel`` (its candidates could not decide them), the others return at once."""
     row = tl.program_id(0).to(tl.int64)
@@ -187,8 +187,7 @@ def _sample_kernel(x_ptr, u_ptr, out_ptr, flag_ptr, V, stride_x, temp, top_k, to
 
 
 @triton.jit
-def _cand_kernel(x_ptr, cand_ptr, mz_ptr, V, S, stride_x, temp,
-                 CHUNK: tl.constexpr, KC: tl.constexpr):
+def _cand_kernel(x_ptr, cand_ptr, mz_ptr, V, S, stride_x, temp, CHUNK: tl.constexpr, KC: tl.constexpr):
     """One vocabulary chunk of one row: its max, its softmax sum, and its KC largest tokens.
 
     A candidate is packed in an int64 as (order-preserving key << 32) | (2^31 - 1 - id), so the
@@ -210,9 +209,21 @@ def _cand_kernel(x_ptr, cand_ptr, mz_ptr, V, S, stride_x, temp,
 
 
 @triton.jit(do_not_specialize=["top_k"])
-def _select_kernel(cand_ptr, mz_ptr, u_ptr, out_ptr, flag_ptr, S, top_k, top_p,
-                   KC: tl.constexpr, NC: tl.constexpr, MK: tl.constexpr, BLOCK_S: tl.constexpr,
-                   ROUNDS: tl.constexpr):
+def _select_kernel(
+    cand_ptr,
+    mz_ptr,
+    u_ptr,
+    out_ptr,
+    flag_ptr,
+    S,
+    top_k,
+    top_p,
+    KC: tl.constexpr,
+    NC: tl.constexpr,
+    MK: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    ROUNDS: tl.constexpr,
+):
     """Merge the chunks' candidates, apply top-k then top-p, draw; flag rows that need the full pass.
 
     Candidates are exact for every value above ``tau``, the largest KC-th value of any chunk (a
@@ -273,8 +284,9 @@ def _select_kernel(cand_ptr, mz_ptr, u_ptr, out_ptr, flag_ptr, S, top_k, top_p,
     tl.store(flag_ptr + row, tl.where(exact, 0, 1).to(tl.int32))
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-           generator: torch.Generator | None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
     """Sample one token per row with temperature, then top-k, then top-p (nucleus) filtering.
 
     logits: float32 [T, vocab]; top_k <= 0 keeps all; top_p >= 1 keeps all; the most likely token
@@ -298,12 +310,35 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     cand = torch.empty((T, S, CAND_K), dtype=torch.int64, device=logits.device)
     mz = torch.empty((T, S, 2), dtype=torch.float32, device=logits.device)
     flag = torch.empty(T, dtype=torch.int32, device=logits.device)
-    _cand_kernel[(T, S)](logits, cand, mz, V, S, logits.stride(0), temp, CHUNK=CAND_CHUNK,
-                         KC=CAND_K, num_warps=8)
-    _select_kernel[(T,)](cand, mz, u, out, flag, S, int(top_k), float(top_p), KC=CAND_K,
-                         NC=max(next_pow2(S * CAND_K), MERGE_K), MK=MERGE_K, BLOCK_S=next_pow2(S),
-                         ROUNDS=ROUNDS,
-                         num_warps=8)
-    _sample_kernel[(T,)](logits, u, out, flag, V, logits.stride(0), temp, int(top_k), float(top_p),
-                         BLOCK=SAMPLE_BLOCK, ROUNDS=ROUNDS, num_warps=16)
+    _cand_kernel[(T, S)](logits, cand, mz, V, S, logits.stride(0), temp, CHUNK=CAND_CHUNK, KC=CAND_K, num_warps=8)
+    _select_kernel[(T,)](
+        cand,
+        mz,
+        u,
+        out,
+        flag,
+        S,
+        int(top_k),
+        float(top_p),
+        KC=CAND_K,
+        NC=max(next_pow2(S * CAND_K), MERGE_K),
+        MK=MERGE_K,
+        BLOCK_S=next_pow2(S),
+        ROUNDS=ROUNDS,
+        num_warps=8,
+    )
+    _sample_kernel[(T,)](
+        logits,
+        u,
+        out,
+        flag,
+        V,
+        logits.stride(0),
+        temp,
+        int(top_k),
+        float(top_p),
+        BLOCK=SAMPLE_BLOCK,
+        ROUNDS=ROUNDS,
+        num_warps=16,
+    )
     return out
