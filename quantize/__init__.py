@@ -10,7 +10,7 @@ This package imports the engine (``tileinfer``); the engine never imports it.
 """
 
 from quantize.checkpoint import kv_int8_of, quantization_config, write_checkpoint
-from quantize.scheme import DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantScheme, apply
+from quantize.scheme import DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantScheme, apply, calibration_text
 from quantize.smoothing import DEFAULT_ALPHA
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "PRECISIONS",
     "QuantScheme",
     "apply",
+    "calibration_text",
     "kv_int8_of",
     "quantization_config",
     "write_checkpoint",

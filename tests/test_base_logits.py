@@ -1,4 +1,4 @@
-"""Stored top-k references: file round trip, and the top-k + tail KL bound on real distributions."""
+"""Stored top-k base logits: file round trip, and the top-k + tail KL bound on real distributions."""
 
 import pytest
 import torch

@@ -49,7 +49,7 @@ def stored():
 
 @pytest.fixture(scope="module")
 def int8_kv_refs(smollm2, stored):
-    """Live references of the INT8-KV configuration on the stored streams (the scale fault needs them)."""
+    """Live base logits of the INT8-KV configuration on the stored streams (the scale fault needs them)."""
     runner = ModelRunner(smollm2, kv_int8=True, max_seq_len=1152)
     return {
         s: drift.full_logits(runner, drift.Stream(tuple(int(t) for t in r.tokens), r.prompt_len))
@@ -89,9 +89,11 @@ def row(**kw):
         dtype="bfloat16",
         backend="reference",
         spec="none",
+        calibration_sha256="c",
         ctx="1k",
         ctx_tokens=1024,
         prompt_set="edit",
+        prompts_sha256="p",
         n_score=128,
         base="stored:reference/bf16-nosmooth",
         top_k=64,
@@ -146,6 +148,18 @@ def test_cli_exit_codes(tmp_path, smollm2_gguf):
     assert run_gate("base.source=nowhere", runs).returncode == 2
     bad_bound = run_gate("gate.bounds.bfloat16.kl_mean=abc", runs)
     assert bad_bound.returncode == 2 and "Traceback" not in bad_bound.stderr, bad_bound.stderr
+    renamed = run_gate("reference.source=stored", runs)  # the old name of base.source
+    assert renamed.returncode == 2 and "write base.source=stored" in renamed.stderr, renamed.stderr
+    other_k = run_gate("quant=bf16", "base.top_k=32", runs)  # the stored files keep the top 64
+    assert other_k.returncode == 2 and "set base.top_k=64" in other_k.stderr, other_k.stderr
+
+
+def test_a_multirun_fails_when_any_job_fails(tmp_path, smollm2_gguf):
+    # bound = baseline * (1 + max_increase) + floor = 0: BF16 (KL 0 against BF16) passes, INT8 fails
+    tight = ["gate.max_increase=-1", "gate.floor.kl_mean=0", "gate.floor.kl_p999=0", f"runs_dir={tmp_path}"]
+    out = run_gate("-m", "quant=bf16,int8_both", *tight)
+    assert "gate: PASS" in out.stdout and "gate: FAIL" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 1
 
 
 @pytest.mark.parametrize(

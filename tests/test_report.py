@@ -215,6 +215,14 @@ def test_missing_bf16_and_missing_positions_are_notes(tmp_path):
     assert re.search(r"!\[[^\]]*\]\(kl_by_position-[^)]+\.png\)", md)  # the other lines still drawn
 
 
+def test_a_group_of_bf16_rows_only_still_renders(tmp_path):
+    runs = write_runs(tmp_path, ctxs=("8k",))
+    for p in (runs / "rows" / "smollm2-135m" / "reference").glob("int8*"):
+        p.unlink()
+    md = report.render(runs, tmp_path / "out").read_text()
+    assert "bf16" in table_of(md, "8k", "edit")
+
+
 def test_kl_estimate_column_newest_duplicate_and_foreign_parquet(tmp_path):
     runs = write_runs(tmp_path, ctxs=("1k",), prompt_sets=("edit",), configs=CONFIGS[:2])
     pl.DataFrame({"metric": ["kl_mean"], "limit": [0.01]}).write_parquet(runs / "baseline.parquet")

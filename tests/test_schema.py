@@ -95,6 +95,12 @@ def test_identity_subsets_are_disjoint_and_the_gate_ignores_only_timing_and_mach
     assert set(identity.IDENTITY) - set(identity.DRIFT) == {*identity.TIMING, *identity.MACHINE}
 
 
+def test_a_written_row_holds_every_identity_column():
+    # the committed baseline was written by tables.make_row (python -m tileinfer.gate --update-baseline)
+    row = pl.read_parquet("evals/baselines/smollm2-135m.parquet").row(0, named=True)
+    assert set(identity.IDENTITY) <= set(row)
+
+
 def test_old_rows_load_under_the_new_column_names(tmp_path):
     old = {
         "model": "m",

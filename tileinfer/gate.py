@@ -223,18 +223,18 @@ def run_gate(cfg: Config) -> int:
     cand = pl.concat([pl.read_parquet(p) for p in paths], how="diagonal_relaxed").with_columns(
         kernel=pl.lit(j.scheme == j.base_scheme)
     )
-    if cfg.gate.baseline is None:  # kernel checks only, e.g. a new backend before any baseline exists
-        verdicts = evaluate(cand.filter(pl.col("kernel")), None, asdict(cfg.gate)).filter(pl.col("check") == "kernel")
-        print_verdicts(verdicts)
-        return 1 if (verdicts["verdict"] == FAIL).any() or verdicts.is_empty() else 0
-    base_path = Path(cfg.gate.baseline)
     if cfg.gate.update_baseline:
-        update_baseline(base_path, cand.drop("kernel"))
-        print(f"baseline updated: {base_path} ({len(cand)} rows)")
+        update_baseline(Path(cfg.gate.baseline), cand.drop("kernel"))
+        print(f"baseline updated: {cfg.gate.baseline} ({len(cand)} rows)")
         return 0
     verdicts = evaluate(cand, baseline, asdict(cfg.gate))
+    if cfg.gate.baseline is None:  # kernel checks only, e.g. a new backend before any baseline exists
+        verdicts = verdicts.filter(pl.col("check") == "kernel")
     print_verdicts(verdicts)
     failed = verdicts.filter(pl.col("verdict") == FAIL)
+    if verdicts.is_empty():
+        print("gate: FAIL (no checks ran)")
+        return 1
     if failed.is_empty():
         print(f"gate: PASS ({len(verdicts)} checks)")
         return 0
@@ -267,6 +267,7 @@ def cli() -> None:
     """``--update-baseline`` is spelled as a flag, as users expect; Hydra sees gate.update_baseline=true.
     Hydra's own argument errors (exit 1) become exit 2, as every usage error here."""
     sys.argv = [("gate.update_baseline=true" if a == "--update-baseline" else a) for a in sys.argv]
+    schema.check_renamed("tileinfer.gate", sys.argv[1:], exit_code=2)
     check_runs_dir("tileinfer.gate", sys.argv[1:], exit_code=2, default="runs/gate")
     try:
         main()
@@ -274,7 +275,7 @@ def cli() -> None:
         if not _outcome and e.code == 1:  # Hydra's own errors
             sys.exit(2)
         raise
-    sys.exit(_outcome[0] if _outcome else 2)
+    sys.exit(max(_outcome) if _outcome else 2)  # a multirun fails when any of its jobs does
 
 
 if __name__ == "__main__":

@@ -68,5 +68,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    schema.check_renamed("tileinfer.record", sys.argv[1:])
     check_runs_dir("tileinfer.record", sys.argv[1:])
     main()

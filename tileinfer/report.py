@@ -213,7 +213,7 @@ def scatter_plot(group: pl.DataFrame, title: str, colors: dict, path: Path) -> l
     """Write the mean-KL-against-decode-speed scatter of one group to ``path``: one marker per row
     (color = configuration, shape = prompt set) and each BF16 row as a vertical line at its decode
     speed (its KL is 0, which a log axis cannot show). Returns notes on rows that could not be drawn."""
-    notes = []
+    notes, plotted = [], 0
     fig, ax = plt.subplots(figsize=(8, 4.8))
     markers = dict(zip(dict.fromkeys(group["prompt_set"]), "osD^vP*X"))
     bf16 = dict(group.filter(pl.col("quant") == "bf16").select("prompt_set", "decode_tok_s").iter_rows())
@@ -227,6 +227,7 @@ def scatter_plot(group: pl.DataFrame, title: str, colors: dict, path: Path) -> l
         elif kl is None or not kl > 0 or not np.isfinite(kl):
             notes.append(f"{lab} / {r['prompt_set']}: mean KL {kl} cannot be shown on a log axis, not plotted.")
         else:
+            plotted += 1
             ax.scatter(
                 speed,
                 kl,
@@ -242,6 +243,8 @@ def scatter_plot(group: pl.DataFrame, title: str, colors: dict, path: Path) -> l
         ax.scatter([], [], color=colors[lab], marker="s", label=lab)
     for ps, m in markers.items():
         ax.scatter([], [], color="white", edgecolors="black", marker=m, label=f"prompt set: {ps}")
+    if not plotted:  # only BF16 lines: a log axis needs positive limits to draw them
+        ax.set_ylim(1e-6, 1.0)
     ax.set_yscale("log")
     ax.set_xlabel("decode speed (tokens/s, higher is better)")
     ax.set_ylabel("mean KL(BF16 ‖ config) (nats, log scale)")

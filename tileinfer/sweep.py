@@ -59,5 +59,6 @@ class PrintSummary(Callback):
 
 
 if __name__ == "__main__":
+    schema.check_renamed("tileinfer.sweep", sys.argv[1:])
     check_runs_dir("tileinfer.sweep", sys.argv[1:])
     main()

@@ -109,7 +109,7 @@ def bench_model(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tileinfer.bench.decode", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-0.6b-random,qwen3-4b-random,qwen3-8b-random")
     p.add_argument("--backends", default="triton,cutile")
     p.add_argument("--quants", default="bf16,int8_both")

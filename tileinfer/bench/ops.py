@@ -597,7 +597,7 @@ def save(rows: list[dict], out_dir: str, name: str, header: str = "") -> None:
 def main(argv=None) -> int:
     from tileinfer.ops import get_backend
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tileinfer.bench.ops", description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cutile")
     p.add_argument(
         "--models",

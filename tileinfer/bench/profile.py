@@ -308,7 +308,7 @@ def _stream(cmd: list[str], timeout: float) -> int:
 
 def main(argv=None) -> int:
     """Parent mode: profile the selection under ncu and write the tables; ``--child``: the profiled run."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tileinfer.bench.profile", description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cutile,torch")
     p.add_argument("--models", default="qwen3-4b-random", help="registry names (conf/model), comma-separated")
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated phase:op[:variant][:shape-substring]")

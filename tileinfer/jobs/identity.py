@@ -21,12 +21,23 @@ CONFIG = (
     "smooth_keys",
     "smooth_alpha",
     "calibration_tokens",
+    "calibration_sha256",
     "dtype",
     "backend",
     "spec",
 )
 # How it is scored: prompt, scored window, base side, and the runner settings that reorder sums.
-SCORING = ("ctx", "ctx_tokens", "prompt_set", "n_score", "base", "top_k", "page_size", "prefill_chunk")
+SCORING = (
+    "ctx",
+    "ctx_tokens",
+    "prompt_set",
+    "prompts_sha256",
+    "n_score",
+    "base",
+    "top_k",
+    "page_size",
+    "prefill_chunk",
+)
 # How speed is timed (no effect on drift).
 TIMING = ("decode_tokens", "decode_cuda_graph")
 # Where it ran: CPU decode rounds differently with another thread count (greedy replies can differ).
@@ -39,6 +50,12 @@ DRIFT = CONFIG + SCORING
 
 # Columns renamed since rows were first written: old name -> new name (old rows still load).
 RENAMED = {"reference": "base", "ppl_ref": "ppl_base", "p_ref_mean": "p_base_mean"}
+
+
+def content_hash(value) -> str:
+    """sha256 of a text or of a JSON-able value (prompt token ids): rows over other inputs never match."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def key_of(row: dict, columns=IDENTITY) -> dict:

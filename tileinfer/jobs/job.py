@@ -20,7 +20,7 @@ import torch
 
 from evals.base_logits import FullLogits, TopKLogits
 from evals.prompts import PROMPT_SETS, build_prompt, build_text_prompt, load_text_prompts
-from quantize import QuantScheme
+from quantize import QuantScheme, calibration_text
 from quantize import apply as apply_quant
 from tileinfer import ops
 from tileinfer.core.checkpoint import Checkpoint, load_checkpoint
@@ -72,10 +72,8 @@ def fit_ctx(cfg: Config, max_ctx: int) -> int:
             f"ctx={cfg.ctx.name} ({want} tokens) exceeds the context of {cfg.model.name} ({max_ctx} tokens)"
         )
     if tail >= max_ctx:
-        raise UserError(
-            f"eval.n_score={cfg.eval.n_score} leaves no room for a prompt in the "
-            f"{max_ctx}-token context of {cfg.model.name}"
-        )
+        key = "eval.n_score" if cfg.eval.n_score >= cfg.speed.decode_tokens else "speed.decode_tokens"
+        raise UserError(f"{key}={tail} leaves no room for a prompt in the {max_ctx}-token context of {cfg.model.name}")
     return min(want, max_ctx - tail)
 
 
@@ -233,12 +231,14 @@ class Job:
                 smooth_keys=s.smooth_keys,
                 smooth_alpha=s.smooth_alpha if s.smooth_keys else None,
                 calibration_tokens=s.calibration_tokens if s.smoothing else None,
+                calibration_sha256=identity.content_hash(calibration_text(s.calibration)) if s.smoothing else None,
                 dtype=c.dtype,
                 backend=c.backend.name,
                 spec=c.spec.name,
                 ctx=c.ctx.name,
                 ctx_tokens=self.ctx_tokens,
                 prompt_set=prompt_set,
+                prompts_sha256=identity.content_hash(self.prompts[prompt_set]),
                 n_score=c.eval.n_score,
                 base=self.base_label,
                 top_k=c.base.top_k if c.base.source == "stored" else None,
@@ -270,6 +270,11 @@ class Job:
         c = self.cfg
         if c.base.source == "stored":
             base = [TopKLogits.load(self.stored_base_path(prompt_set, i)) for i in range(len(self.prompts[prompt_set]))]
+            if any(b.k != c.base.top_k for b in base):
+                raise UserError(
+                    f"stored base logits for {prompt_set} keep the top {base[0].k} tokens, not "
+                    f"base.top_k={c.base.top_k}: set base.top_k={base[0].k}"
+                )
             if any(b.prompt_len != self.ctx_tokens for b in base):
                 raise UserError(f"stored base logits for {prompt_set} have another ctx than {self.ctx_tokens}")
             return base

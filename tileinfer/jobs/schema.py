@@ -1,8 +1,8 @@
 """The typed configuration of every command: Hydra structured configs, checked once.
 
 ``conf/*.yaml`` give the values; the dataclasses here give the types, the defaults and the allowed
-ranges. Hydra validates types while it composes (``eval.n_score=abc`` is refused with one line
-before anything runs), and :func:`load` turns the composed config into a :class:`Config` whose
+ranges. Hydra validates types while it composes (``eval.n_score=abc`` is refused, in Hydra's own
+few-line message, before anything runs), and :func:`load` turns the composed config into a :class:`Config` whose
 ``__post_init__`` checks ranges and choices, so a job only ever sees checked settings. Every command
 (sweep, gate, record) composes the same schema; ``gate`` is only set by conf/gate.yaml.
 
@@ -12,11 +12,12 @@ Ranges live in field metadata (``lo``/``hi``/``choices``) so the rule sits next 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
 
 from quantize import DEFAULT_ALPHA, DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantScheme
 from tileinfer.core.errors import UserError
@@ -205,6 +206,21 @@ def unknown_keys(node: DictConfig, schema_type: type, prefix: str = "") -> list[
     return out
 
 
+# Settings renamed since earlier releases: old group -> new group (an old name gets this hint).
+RENAMED = {"reference": "base"}
+
+
+def check_renamed(prog: str, argv: list[str], exit_code: int = 1) -> None:
+    """Exit with one line when the command line uses a renamed setting (``reference.source=...``):
+    Hydra would answer with several lines that do not name the new one."""
+    for arg in argv:
+        group = arg.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
+        if group in RENAMED and "=" in arg:
+            new = arg.lstrip("+~").replace(group, RENAMED[group], 1)
+            print(f"{prog}: error: {group}.* is now {RENAMED[group]}.*: write {new}", file=sys.stderr)
+            sys.exit(exit_code)
+
+
 def load(cfg: DictConfig) -> Config:
     """The checked :class:`Config` of a composed Hydra config.
 
@@ -215,7 +231,10 @@ def load(cfg: DictConfig) -> Config:
     unknown = unknown_keys(cfg, Config)
     if unknown:
         raise UserError(f"unknown setting {unknown[0]}: see tileinfer/jobs/schema.py for the settings")
-    return OmegaConf.to_object(cfg)
+    try:
+        return OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:  # e.g. a conf/model file without a source
+        raise UserError(f"setting {e.full_key} has no value") from None
 
 
 def register() -> None:

@@ -8,6 +8,7 @@ memory and SASS counts), then ``N kernels compiled for ARCH in S s`` and every f
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -28,6 +29,13 @@ def main(argv=None) -> int:
     p.add_argument("--sass", action="store_true", help="report registers, spills, shared memory and SASS counts")
     p.add_argument("--filter", default="", help="only print kernels whose name contains this")
     a = p.parse_args(argv)
+    toolchain = {"triton": "triton", "cutile": "cuda.tile"}[a.backend]
+    if importlib.util.find_spec(toolchain.split(".")[0]) is None:
+        print(
+            f"tileinfer.bench.aot: error: {toolchain} is not installed: pip install -e '.[{a.backend}]'",
+            file=sys.stderr,
+        )
+        return 2
     t0 = time.perf_counter()
     recs = compile_calls(a.backend, model_calls, ([m for m in a.models.split(",") if m],), a.arch, a.jobs, a.sass)
     for r in recs:
