@@ -40,7 +40,7 @@ def test_backend_logits_pass_the_gate_against_the_reference_backend(checkpoint, 
     sd = apply(checkpoint, None, QuantScheme("int8", "int8", smooth_keys=False))[0] if int8 else checkpoint.state_dict
     model = Transformer.from_state_dict(checkpoint.config, sd, device="cuda")
     g = torch.Generator().manual_seed(1)
-    stream = drift.Stream(tuple(torch.randint(0, 151936, (1280,), generator=g).tolist()), 1024)
+    stream = drift.Stream(tuple(torch.randint(0, MODEL["vocab_size"], (1280,), generator=g).tolist()), 1024)
     ref = drift.full_logits(ModelRunner(model, "reference", kv_int8=int8, max_seq_len=1280), stream)
     stats, _ = drift.score(ModelRunner(model, backend, kv_int8=int8, max_seq_len=1280), ref, decode_steps=0)
     print(f"{backend} {quant}: mean KL {stats['kl_mean']:.2e}, top-1 {stats['top1_agree']:.4f}")
@@ -55,7 +55,7 @@ def test_decode_replayed_from_cuda_graph_equals_eager_decode(checkpoint, backend
     boundaries, with the logits of eager decode steps."""
     model = Transformer.from_state_dict(checkpoint.config, checkpoint.state_dict, device="cuda")
     g = torch.Generator().manual_seed(2)
-    a, b = (torch.randint(0, 151936, (n,), generator=g).tolist() for n in (150, 90))
+    a, b = (torch.randint(0, MODEL["vocab_size"], (n,), generator=g).tolist() for n in (150, 90))
     logits = {}
     for graph in (False, True):
         runner = ModelRunner(model, backend, kv_int8=kv_int8, max_seq_len=512, page_size=64, cuda_graph=graph)
