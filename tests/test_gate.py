@@ -120,11 +120,12 @@ def test_baseline_checks_and_verdict_table():
     assert missing["metric"].to_list() == ["row present"] and missing["verdict"][0] == gate.FAIL
 
 
-def run_gate(*args):
+def run_gate(*args, flags=()):
     cmd = [
         sys.executable,
         "-m",
         "tileinfer.gate",
+        *flags,  # Hydra's flags (-m) come before the overrides
         "model=smollm2-135m",
         "ctx=1k",
         "eval.n_score=128",
@@ -157,7 +158,7 @@ def test_cli_exit_codes(tmp_path, smollm2_gguf):
 def test_a_multirun_fails_when_any_job_fails(tmp_path, smollm2_gguf):
     # bound = baseline * (1 + max_increase) + floor = 0: BF16 (KL 0 against BF16) passes, INT8 fails
     tight = ["gate.max_increase=-1", "gate.floor.kl_mean=0", "gate.floor.kl_p999=0", f"runs_dir={tmp_path}"]
-    out = run_gate("-m", "quant=bf16,int8_both", *tight)
+    out = run_gate("quant=bf16,int8_both", *tight, flags=["-m"])
     assert "gate: PASS" in out.stdout and "gate: FAIL" in out.stdout, out.stdout + out.stderr
     assert out.returncode == 1
 

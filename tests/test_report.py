@@ -44,6 +44,8 @@ def fake_row(quant, weights, kv, smooth, speed, kl, *, ctx, prompt_set, rng, fin
         "ctx": ctx,
         "ctx_tokens": CTX[ctx],
         "prompt_set": prompt_set,
+        "prompts_sha256": f"hash of the {prompt_set} prompt",  # identity columns the report must not split on
+        "calibration_sha256": "hash of the calibration text" if smooth else None,
         "n_prompts": 1,
         "backend": "reference",
         "spec": "none",

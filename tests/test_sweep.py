@@ -1,13 +1,16 @@
 """The main job end to end on SmolLM2 with a short context, through the real command line."""
 
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import polars as pl
 import pytest
 
 from tileinfer.jobs import tables
 
+REPO = Path(__file__).resolve().parent.parent
 SHORT = [
     "model=smollm2-135m",
     "ctx=1k",
@@ -84,3 +87,30 @@ def test_user_errors_are_one_line_and_nonzero(tmp_path, override, message):
     assert message in out.stderr
     assert "Traceback" not in out.stderr
     assert not list(tmp_path.rglob("*.parquet"))
+
+
+def test_two_prompt_files_of_one_name_are_refused(tmp_path):
+    text = (REPO / "evals" / "data" / "stdlib" / "statistics.py.txt").read_text()
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "doc.txt").write_text(text)
+    out = sweep(tmp_path, f"eval.prompt_sets=[{tmp_path}/a/doc.txt,{tmp_path}/b/doc.txt]", check=False)
+    assert out.returncode == 1 and "has the name 'doc' of another one" in out.stderr, out.stderr
+    assert not list(tmp_path.rglob("*.parquet"))
+
+
+def test_stored_base_logits_of_another_prompt_are_refused(tmp_path):
+    # the explain file stored under the edit prompt's name: its tokens are not the edit prompt's
+    src, dst = REPO / "evals" / "base_logits" / "smollm2-135m", tmp_path / "base" / "smollm2-135m"
+    dst.mkdir(parents=True)
+    for f in src.glob("*explain0*.topk"):
+        shutil.copy(f, dst / f.name.replace("explain0", "edit0").replace("-n128", "-n24"))  # SHORT's n_score
+    out = sweep(
+        tmp_path,
+        "quant=bf16",
+        "eval.prompt_sets=[edit]",
+        "base.source=stored",
+        f"base.dir={tmp_path / 'base'}",
+        check=False,
+    )
+    assert out.returncode == 1 and "were recorded on another prompt" in out.stderr, out.stderr

@@ -41,12 +41,17 @@ CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # ...with one table row each 
 # ...and one section per setup: rows that differ in any other identity column (tileinfer.jobs.identity:
 # scoring window, base, runner settings, timing, machine) are not comparable; the columns that vary
 # are named in the section title. Left out: columns the ones above determine.
-SETUP = [
-    c
-    for c in identity.IDENTITY
-    if c
-    not in (*GROUP, *CONFIG, "prompt_set", "model_sha256", "weights", "kv_cache", "calibration_tokens", "ctx_tokens")
-]
+DETERMINED = (
+    "prompt_set",
+    "prompts_sha256",
+    "model_sha256",
+    "weights",
+    "kv_cache",
+    "calibration_tokens",
+    "calibration_sha256",
+    "ctx_tokens",
+)
+SETUP = [c for c in identity.IDENTITY if c not in (*GROUP, *CONFIG, *DETERMINED)]
 QUANT_ORDER = ["bf16", "int8_weights", "int8_kv", "int8_both"]
 
 

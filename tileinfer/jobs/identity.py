@@ -39,7 +39,7 @@ SCORING = (
     "prefill_chunk",
 )
 # How speed is timed (no effect on drift).
-TIMING = ("decode_tokens", "decode_cuda_graph")
+TIMING = ("decode_tokens", "decode_cuda_graph", "warmup")
 # Where it ran: CPU decode rounds differently with another thread count (greedy replies can differ).
 MACHINE = ("device", "cpu_threads")
 

@@ -104,7 +104,7 @@ class Loaded:
 
 def load_model(cfg: Config, device: torch.device) -> Loaded:
     """Pull and load the BF16 model (kept in memory for the next job of a multirun)."""
-    key = (cfg.model.name, cfg.dtype, str(device))
+    key = (cfg.model.name, json.dumps([cfg.model.source, cfg.model.config], sort_keys=True), cfg.dtype, str(device))
     if key not in _MODEL:
         _MODEL.clear()
         _QUANTIZED.clear()
@@ -145,18 +145,27 @@ def model_for(loaded: Loaded, scheme: QuantScheme) -> tuple[Transformer, dict]:
 
 
 def prompt_sets(cfg: Config, tok: Tokenizer, ctx_tokens: int) -> dict[str, list[list[int]]]:
-    """Prompts (token ids, each exactly ctx_tokens long) of every configured prompt set."""
+    """Prompts (token ids, each exactly ctx_tokens long) of every configured prompt set, by name (a
+    built-in set's, or a file's stem).
+
+    Raises:
+        UserError: an unknown set, an unreadable file, or two sets of one name (rows, stored base
+            logits and caches are named by prompt set).
+    """
     out = {}
     for name in cfg.eval.prompt_sets:
+        key = name if name in PROMPT_SETS else Path(name).stem
+        if key in out:
+            raise UserError(f"prompt set {name} has the name {key!r} of another one: rename the file")
         if name in PROMPT_SETS:
-            out[name] = [build_prompt(tok, name, ctx_tokens)]
+            out[key] = [build_prompt(tok, name, ctx_tokens)]
         elif not Path(name).suffix and not Path(name).exists():
             raise UserError(
                 f"unknown prompt set {name!r}: the built-in sets are {', '.join(PROMPT_SETS)}; "
                 "other prompts come from a .txt or .jsonl file"
             )
         else:
-            out[Path(name).stem] = [build_text_prompt(tok, t, ctx_tokens) for t in load_text_prompts(name)]
+            out[key] = [build_text_prompt(tok, t, ctx_tokens) for t in load_text_prompts(name)]
     return out
 
 
@@ -245,6 +254,7 @@ class Job:
                 page_size=c.kv.page_size,
                 prefill_chunk=c.kv.prefill_chunk,
                 decode_tokens=c.speed.decode_tokens,
+                warmup=c.speed.warmup,
                 decode_cuda_graph=uses_cuda_graph(
                     c.speed.cuda_graph, self.loaded.device, ops.get_backend(c.backend.name)
                 ),
@@ -277,6 +287,12 @@ class Job:
                 )
             if any(b.prompt_len != self.ctx_tokens for b in base):
                 raise UserError(f"stored base logits for {prompt_set} have another ctx than {self.ctx_tokens}")
+            for i, (b, prompt) in enumerate(zip(base, self.prompts[prompt_set], strict=True)):
+                if b.tokens[: b.prompt_len].tolist() != list(prompt):  # an edited file, another tokenizer
+                    raise UserError(
+                        f"stored base logits {self.stored_base_path(prompt_set, i)} were recorded on another "
+                        "prompt: record them again"
+                    )
             return base
         return self.live_base(prompt_set, base_runner)
 

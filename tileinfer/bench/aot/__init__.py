@@ -15,7 +15,7 @@ launches into compilations: :mod:`.triton` compiles in place of each ``@triton.j
 own cases through it too (``python -m tileinfer.bench.ops --precompile N``).
 
 On the CPU, compiling for sm_90 is the CI check that every kernel builds at every shipped shape
-(tests/test_triton_interpret.py, tests/test_cutile_compile.py). On the GPU, the compiled kernels
+(tests/test_triton_compile.py, tests/test_cutile_compile.py). On the GPU, the compiled kernels
 land in each backend's disk cache (Triton's ~/.triton/cache, cuTile's ``CUDA_TILE_CACHE_DIR``)
 under the keys a real launch looks up, so the first launches do not compile.
 """
