@@ -2,8 +2,9 @@
 
 ``conf/*.yaml`` give the values; the dataclasses here give the types, the defaults and the allowed
 ranges. Hydra validates types while it composes (``eval.n_score=abc`` is refused, in Hydra's own
-few-line message, before anything runs), and :func:`load` turns the composed config into a :class:`Config` whose
-``__post_init__`` checks ranges and choices, so a job only ever sees checked settings. Every command
+few-line message, before anything runs), and :func:`load` turns the composed config into a
+:class:`Config` whose ``__post_init__`` checks ranges and choices, so a job only ever sees checked
+settings. Every command
 (sweep, gate, record) composes the same schema; ``gate`` is only set by conf/gate.yaml.
 
 Ranges live in field metadata (``lo``/``hi``/``choices``) so the rule sits next to the field.
@@ -207,7 +208,7 @@ def unknown_keys(node: DictConfig, schema_type: type, prefix: str = "") -> list[
 
 
 # Settings renamed since earlier releases: old group -> new group (an old name gets this hint).
-RENAMED = {"reference": "base"}
+RENAMED_SETTINGS = {"reference": "base"}
 
 
 def check_renamed(prog: str, argv: list[str], exit_code: int = 1) -> None:
@@ -215,9 +216,9 @@ def check_renamed(prog: str, argv: list[str], exit_code: int = 1) -> None:
     Hydra would answer with several lines that do not name the new one."""
     for arg in argv:
         group = arg.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
-        if group in RENAMED and "=" in arg:
-            new = arg.lstrip("+~").replace(group, RENAMED[group], 1)
-            print(f"{prog}: error: {group}.* is now {RENAMED[group]}.*: write {new}", file=sys.stderr)
+        if group in RENAMED_SETTINGS and "=" in arg:
+            new = arg.lstrip("+~").replace(group, RENAMED_SETTINGS[group], 1)
+            print(f"{prog}: error: {group}.* is now {RENAMED_SETTINGS[group]}.*: write {new}", file=sys.stderr)
             sys.exit(exit_code)
 
 
