@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_module
 from tileinfer.core import registry
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
-from tileinfer.jobs import identity, schema, tables
+from tileinfer.jobs import identity, job, schema, tables
 from tileinfer.jobs.schema import Config
 
 
@@ -22,7 +22,7 @@ def load(*overrides: str, config: str = "config") -> Config:
 
 def test_every_command_composes_a_checked_config():
     cfg = load()
-    assert isinstance(cfg, Config) and cfg.gate is None
+    assert isinstance(cfg, Config) and cfg.gate is None and cfg.backend.name == "auto"
     assert (cfg.quant.name, cfg.quant.weights, cfg.quant.kv_cache) == ("int8_both", "int8", "int8")
     assert cfg.quant.smooth_keys and cfg.quant.smooth_alpha == 0.5  # schema defaults, not repeated per file
     assert load(config="gate").gate.bounds["bfloat16"]["kl_mean"] > 0
@@ -131,3 +131,22 @@ def test_registry_config_matches_the_checkpoint_and_a_mismatch_is_refused(smollm
     wrong = dataclasses.replace(ck.config, num_key_value_heads=9)
     with pytest.raises(UserError, match="num_key_value_heads 9 .conf/model says 3."):
         registry.check_checkpoint_config("smollm2-135m", wrong)
+
+
+@pytest.mark.parametrize(
+    "device,installed,expected",
+    [
+        ("cpu", ("triton", "cutile"), "reference"),
+        ("cuda", ("triton", "cutile"), "triton"),
+        ("cuda", ("cutile",), "cutile"),
+        ("cuda", (), "reference"),
+    ],
+)
+def test_auto_backend_is_the_fast_path_where_there_is_one(monkeypatch, device, installed, expected):
+    def get_backend(name):
+        if name not in installed:
+            raise UserError(f"backend {name!r} is not available here")
+
+    monkeypatch.setattr(job.ops, "get_backend", get_backend)
+    assert job.resolve_backend("auto", torch.device(device)) == expected
+    assert job.resolve_backend("cutile", torch.device(device)) == "cutile"  # a named backend is kept

@@ -29,11 +29,11 @@ def record(cfg: Config) -> list:
     """Compute and save the base logits of ``cfg``'s candidate configuration; return their paths."""
     cfg = replace(cfg, base=replace(cfg.base, source="live", backend=None, quant="same"))
     j = job.resolve(cfg)
-    runner, _ = j.runner(cfg.backend.name, j.scheme)
+    runner, _ = j.runner(j.cfg.backend.name, j.scheme)
     manifest = {
         "model": cfg.model.name,
         "model_sha256": j.loaded.model_id,
-        "backend": cfg.backend.name,
+        "backend": j.cfg.backend.name,
         "quant": job.quant_label(cfg.quant.name, j.scheme),
         "quant_scheme": repr(j.scheme),
         "dtype": cfg.dtype,

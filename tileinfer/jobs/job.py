@@ -13,7 +13,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,9 +49,24 @@ def resolve_device(name: str, backend: str) -> torch.device:
         raise UserError(f"device={name}: expected auto, cpu or cuda")
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA GPU is visible")
-    if backend != "reference" and name != "cuda":
+    if backend not in ("reference", "auto") and name != "cuda":
         raise UserError(f"backend={backend} needs a CUDA GPU; use backend=reference on the CPU")
     return torch.device(name)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The backend a job runs: ``name``, or for ``auto`` the fast path where there is one: Triton on
+    CUDA (cuTile when Triton is not installed), the reference backend on the CPU."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        for fast in ("triton", "cutile"):
+            try:
+                ops.get_backend(fast)
+                return fast
+            except UserError:  # toolchain not installed
+                continue
+    return "reference"
 
 
 def quant_label(name: str, scheme: QuantScheme) -> str:
@@ -341,7 +356,8 @@ class Job:
 def resolve(cfg: Config) -> Job:
     """Load what a job needs (settings were checked by tileinfer.jobs.schema.load).
 
-    The base configuration is ``base.backend`` (None: the candidate's backend) with ``base.quant``
+    ``backend=auto`` becomes the backend that runs (:func:`resolve_backend`) in the job's config. The
+    base configuration is ``base.backend`` (None: the candidate's backend) with ``base.quant``
     (``bf16``: the BF16 model; ``same``: the candidate's quant config, for checking a backend's
     kernels against the reference backend's).
 
@@ -349,6 +365,7 @@ def resolve(cfg: Config) -> Job:
         UserError: bad device/backend, ctx too large, unknown prompt set.
     """
     device = resolve_device(cfg.device, cfg.backend.name)
+    cfg = replace(cfg, backend=replace(cfg.backend, name=resolve_backend(cfg.backend.name, device)))
     base_backend = cfg.base.backend or cfg.backend.name
     resolve_device(cfg.device, base_backend)
     scheme = cfg.quant.scheme()
@@ -370,7 +387,7 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
         print(f"already done: {', '.join(str(p) for p in todo.values())}")
         return list(todo.values())
     device = job.loaded.device
-    cand_runner, _ = job.runner(cfg.backend.name, job.scheme)
+    cand_runner, _ = job.runner(job.cfg.backend.name, job.scheme)
     base_runner = None if cfg.base.source == "stored" else job.runner(job.base_backend, job.base_scheme)[0]
     for set_name, path in missing.items():
         t0 = time.perf_counter()

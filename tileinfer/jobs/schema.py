@@ -76,7 +76,9 @@ class CtxGroup:
 
 @dataclass
 class BackendGroup:
-    name: str = _choice(MISSING, *BACKENDS)
+    """``conf/backend/NAME.yaml``; ``auto``: the fast backend on CUDA, the reference on the CPU."""
+
+    name: str = _choice(MISSING, "auto", *BACKENDS)
 
 
 @dataclass
