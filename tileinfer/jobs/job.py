@@ -278,17 +278,11 @@ class Job:
             )
         )
 
-    def row_path(self, prompt_set: str) -> Path:
-        """Where the row of one prompt set lives: a readable label plus a hash of its identity."""
+    def row_path(self, key: dict) -> Path:
+        """Where the row of identity ``key`` (:meth:`identity`) lives: a readable label plus its hash."""
         c = self.cfg
-        label = f"{quant_label(c.quant.name, self.scheme)}-{c.ctx.name}-{prompt_set}"
-        return (
-            Path(c.runs_dir)
-            / "rows"
-            / c.model.name
-            / c.backend.name
-            / identity.row_file_name(self.identity(prompt_set), label)
-        )
+        label = f"{quant_label(c.quant.name, self.scheme)}-{c.ctx.name}-{key['prompt_set']}"
+        return Path(c.runs_dir) / "rows" / c.model.name / c.backend.name / identity.row_file_name(key, label)
 
     def base_logits(self, prompt_set: str, base_runner: ModelRunner | None) -> list:
         """The base logits of a prompt set's prompts: stored top-k files, or computed live."""
@@ -381,7 +375,8 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
     """Compute every missing row of one job (every row with ``force``); return the paths of all its
     rows (done or reused)."""
     job = resolve(cfg)
-    todo = {s: job.row_path(s) for s in job.prompts}
+    keys = {s: job.identity(s) for s in job.prompts}  # once: the file name and the row hold the same key
+    todo = {s: job.row_path(key) for s, key in keys.items()}
     missing = {s: p for s, p in todo.items() if force or not tables.is_complete_row(p)}
     if not missing:
         print(f"already done: {', '.join(str(p) for p in todo.values())}")
@@ -399,7 +394,7 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
         ops.reset_fallbacks()
         results = [drift.score(cand_runner, b, cfg.speed.decode_tokens) for b in base]
         row = tables.make_row(
-            job.identity(set_name),
+            keys[set_name],
             results,
             device=device,
             weights_bytes=cand_runner.model.weight_bytes(),
