@@ -3,7 +3,8 @@
 No nn framework: a model is a list of layers holding weight tensors, and ``forward`` calls one op
 per step so every kernel launch is visible (TileInfer.jl's design). The math is transformers'
 ``LlamaModel`` / ``Qwen2Model`` / ``Qwen3Model``: pre-norm blocks with RMSNorm, GQA attention with
-RoPE (bias on q/k/v for Qwen2, per-head q/k RMSNorm for Qwen3), and a SwiGLU MLP.
+RoPE (bias on q/k/v for Qwen2, on q/k/v/o for Llama/Qwen3 with ``attention_bias``, per-head q/k
+RMSNorm for Qwen3), and a SwiGLU MLP.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Layer:
 
     ``qkv_proj`` stacks the q, k and v projections ([(heads + 2 kv_heads) * head_dim, hidden]) and
     ``gate_up_proj`` the gate and up projections ([2 * intermediate, hidden]) so each is one GEMM.
+    ``qkv_bias`` ([(heads + 2 kv_heads) * head_dim]) and ``o_bias`` ([hidden]) are None without biases.
     """
 
     input_norm: torch.Tensor
@@ -38,6 +40,7 @@ class Layer:
     post_norm: torch.Tensor
     gate_up_proj: torch.Tensor | Int8Weight
     down_proj: torch.Tensor | Int8Weight
+    o_bias: torch.Tensor | None = None
 
 
 def _cat(ws: list) -> torch.Tensor | Int8Weight:
@@ -127,6 +130,7 @@ class Transformer:
                         [get(p + "mlp.gate_proj.weight", (inter, hid)), get(p + "mlp.up_proj.weight", (inter, hid))]
                     ),
                     down_proj=get(p + "mlp.down_proj.weight", (hid, inter)),
+                    o_bias=get(a + "o_proj.bias", (hid,)) if c.o_proj_bias else None,
                 )
             )
         embed = get("model.embed_tokens.weight", (c.vocab_size, hid))
@@ -159,6 +163,7 @@ class Transformer:
                 L.q_norm,
                 L.k_norm,
                 L.o_proj,
+                L.o_bias,
                 L.post_norm,
                 L.gate_up_proj,
                 L.down_proj,
@@ -212,7 +217,7 @@ class Transformer:
                 positions,
             )
             o = ops.attention(q, kv.layers[i], block_table, positions, sm_scale)
-            x = ops.linear(o.reshape(T, h * d), L.o_proj)
+            x = ops.linear(o.reshape(T, h * d), L.o_proj, L.o_bias)
             hs, residual = ops.add_rms_norm(x, residual, L.post_norm, eps)
             x = ops.linear(ops.swiglu(hs, L.gate_up_proj), L.down_proj)
         hs, _ = ops.add_rms_norm(x, residual, self.norm, eps)

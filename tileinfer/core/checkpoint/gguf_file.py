@@ -22,7 +22,6 @@ import mmap
 import os
 import re
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +30,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from tileinfer.core.checkpoint.checks import all_finite
+from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
+from tileinfer.core.files import atomic_path, write_text
 
-CACHE_FORMAT = 1  # bump when the cached tensors would change (names, permutation, rounding)
+# bump when the cached tensors or config would change (names, permutation, rounding, config fields);
+# 2: configs state every field (rope.scale_linear, o_proj biases), tensors checked finite before caching
+CACHE_FORMAT = 2
 CACHE_MIN_BYTES = 256 << 20  # below this, dequantizing (~1 s) is cheaper than a cache on disk
 
 # GGUF metadata value types (gguf.md: gguf_metadata_value_type) -> struct format
@@ -185,15 +189,54 @@ def gguf_metadata(path: str | os.PathLike) -> dict:
     return read_header(path).metadata
 
 
+# The {arch}.* metadata keys, as llama.cpp's loader (llama-model.cpp, load_hparams) reads them, and
+# what gguf_config does with each. That namespace holds only hyper-parameters, so a key outside
+# this table is refused as well: llama.cpp may use it in the math, and ignoring it could give a
+# silently wrong row. READ: turned into config.json fields by gguf_config (which refuses the values
+# it cannot compute, e.g. rope.scaling.type yarn); ANY: no effect on the logits; a tuple: no effect
+# at those values, refused at any other.
+READ, ANY = "read", "any"
+GGUF_KEYS = {
+    "context_length": READ,
+    "embedding_length": READ,
+    "block_count": READ,
+    "feed_forward_length": READ,
+    "vocab_size": READ,
+    "attention.head_count": READ,
+    "attention.head_count_kv": READ,
+    "attention.layer_norm_rms_epsilon": READ,
+    "attention.key_length": READ,  # head_dim (default embedding_length / head_count)
+    "attention.value_length": READ,  # must equal head_dim
+    "attention.sliding_window": READ,  # kept as a length limit (see tileinfer.core.config)
+    "rope.dimension_count": READ,  # must equal head_dim: RoPE over part of a head is not implemented
+    "rope.freq_base": READ,
+    "rope.scaling.type": READ,  # none, linear (llama.cpp's default when absent); others refused
+    "rope.scaling.factor": READ,
+    "rope.scale_linear": READ,  # the factor's key before rope.scaling.factor (older converters)
+    "rope.scaling.finetuned": ANY,
+    "rope.scaling.original_context_length": ANY,  # read by yarn only, which is refused
+    "rope.scaling.attn_factor": (1.0,),  # llama.cpp multiplies the rotated q and k by it
+    "expert_count": (0,),
+    "expert_used_count": (0,),
+    "attention.causal": (True,),
+}
+
+
 def gguf_config(header: GGUFHeader) -> dict:
     """A transformers ``config.json`` dict from GGUF metadata, as ``ModelConfig.from_hf`` reads it.
 
     Key mapping follows transformers' ``GGUF_CONFIG_MAPPING`` (integrations/ggml.py) and llama.cpp's
-    ``LLM_KV_*`` names. ``tie_word_embeddings`` is True iff the file has no ``output.weight``.
+    ``LLM_KV_*`` names and defaults; every ``{arch}.*`` key is handled as ``GGUF_KEYS`` says. Every
+    field is written out, so none falls back to a transformers default that llama.cpp does not
+    share. ``tie_word_embeddings`` is True iff the file has no ``output.weight``;
+    ``attention_bias`` (llama, qwen3) iff it has attention biases.
 
     Raises:
-        UserError: unsupported architecture, a required key missing, or per-frequency RoPE factors
-            (``rope_freqs.weight``, Llama 3.1 style), whose llama3 scaling parameters the file does not state.
+        UserError: naming the file and the key: unsupported architecture, a required key missing,
+            an ``{arch}.*`` key the table refuses, a rope scaling type other than none/linear,
+            RoPE over part of a head, value heads of another size than key heads, or per-frequency
+            RoPE factors (``rope_freqs.weight``, Llama 3.1 style), whose llama3 scaling parameters
+            the file does not state.
     """
     md, path = header.metadata, header.path
     arch = md.get("general.architecture")
@@ -204,6 +247,10 @@ def gguf_config(header: GGUFHeader) -> dict:
             f"{path}: per-frequency RoPE factors (rope_freqs.weight) are not supported; "
             "load the model's transformers folder instead"
         )
+    for key, value in md.items():
+        rule = GGUF_KEYS.get(key.removeprefix(f"{arch}.")) if key.startswith(f"{arch}.") else ANY
+        if rule is None or (isinstance(rule, tuple) and value not in rule):
+            raise UserError(f"{path}: GGUF metadata {key}={value!r} is not supported (it changes the model's math)")
 
     def get(key, default=KeyError):
         if f"{arch}.{key}" in md:
@@ -212,36 +259,51 @@ def gguf_config(header: GGUFHeader) -> dict:
             raise UserError(f"{path}: GGUF metadata has no {arch}.{key}")
         return default
 
-    heads = int(get("attention.head_count"))
+    model_type = ARCHITECTURES[arch][0]
+    heads, hidden = int(get("attention.head_count")), int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    for key in ("attention.value_length", "rope.dimension_count"):
+        if int(get(key, head_dim)) != head_dim:
+            raise UserError(
+                f"{path}: GGUF metadata {arch}.{key}={get(key)} differs from the head size {head_dim} (not supported)"
+            )
     cfg = {
-        "model_type": ARCHITECTURES[arch][0],
+        "model_type": model_type,
         "vocab_size": header.tensors["token_embd.weight"].shape[0]
         if "token_embd.weight" in header.tensors
         else int(get("vocab_size")),
-        "hidden_size": int(get("embedding_length")),
+        "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length")),
         "tie_word_embeddings": "output.weight" not in header.tensors,
-        "attention_bias": "blk.0.attn_q.bias" in header.tensors,
+        "sliding_window": get("attention.sliding_window", None),
         "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
     }
-    # head_dim: key_length when stated; llama's rope dimension equals head_dim (not so for every arch).
-    head_dim = get("attention.key_length", None)
-    if head_dim is None and ARCHITECTURES[arch][1]:
-        head_dim = get("rope.dimension_count", None)
-    if head_dim is not None:
-        cfg["head_dim"] = int(head_dim)
-    scaling = get("rope.scaling.type", None)
-    if scaling and scaling != "none":
-        cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(get("rope.scaling.factor", 1.0))}
-        if (orig := get("rope.scaling.original_context_length", None)) is not None:
-            cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+    if cfg["sliding_window"] is not None and model_type in ("qwen2", "qwen3"):
+        cfg |= {"use_sliding_window": True, "max_window_layers": 0}  # a window on every layer
+    if model_type in ("llama", "qwen3"):  # transformers' attention_bias: q, k, v and o together
+        cfg["attention_bias"] = any(
+            f"blk.0.{t}.bias" in header.tensors for t in ("attn_q", "attn_k", "attn_v", "attn_output")
+        )
+    # llama.cpp: the type defaults to linear, the factor to rope.scale_linear, then to 1 (0 means unset)
+    kind = get("rope.scaling.type", "linear")
+    factor = get("rope.scaling.factor", None)
+    factor = float(get("rope.scale_linear", 0.0) if factor is None else factor) or 1.0
+    if kind not in ("none", "linear"):
+        raise UserError(f"{path}: GGUF metadata {arch}.rope.scaling.type={kind!r} is not supported (only none, linear)")
+    if kind == "linear" and factor != 1.0:
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    try:
+        ModelConfig.from_hf(cfg)  # refuse what the engine cannot run before any tensor is read
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
     return cfg
 
 
@@ -268,14 +330,15 @@ def _dequantize_all(header: GGUFHeader, cfg: dict, dtype: torch.dtype) -> dict[s
     names = {n: hf_name(n) for n in header.tensors}
     if unknown := [n for n, hf in names.items() if hf is None]:
         raise UserError(f"{header.path}: unexpected tensor {unknown[0]} for a {cfg['model_type']} model")
-    _check_complete(header.path, cfg, set(names.values()))  # before the slow part
+    _check_complete(header.path, cfg, names)  # before the slow part
     permuted = ARCHITECTURES[cfg["model_type"]][1]
     data = np.memmap(header.path, dtype=np.uint8, mode="r")
     out = {}
     for info in header.tensors.values():
         name = names[info.name]
         try:
-            w = dequantize(data[info.offset : info.offset + info.nbytes], info.ggml_type)
+            with np.errstate(all="ignore"):  # a NaN is reported below, in one line, not as numpy warnings
+                w = dequantize(data[info.offset : info.offset + info.nbytes], info.ggml_type)
         except NotImplementedError:
             raise UserError(
                 f"{header.path}: tensor {info.name} has type {info.ggml_type.name}, "
@@ -286,20 +349,30 @@ def _dequantize_all(header: GGUFHeader, cfg: dict, dtype: torch.dtype) -> dict[s
             w = _unpermute(w, cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"])
         # F32 tensors are still views of the read-only map: copy those, so no tensor aliases the file.
         out[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"])).to(dtype)
+        # A NaN weight (e.g. a tensor whose type field was damaged) would otherwise surface only as
+        # non-finite logits after minutes of work, and be kept in the dequantized cache.
+        if not all_finite(out[name]):
+            raise UserError(
+                f"{header.path}: tensor {info.name} ({info.ggml_type.name}) holds NaN or infinite values "
+                "after dequantization; the file is corrupt"
+            )
     return out
 
 
-def _check_complete(path: Path, cfg: dict, names: set[str]) -> None:
-    per_layer = [v for k, v in _LAYER_NAMES.items() if k not in ("attn_q_norm", "attn_k_norm")]
-    if cfg["model_type"] == "qwen3":
-        per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
-    need = ["model.embed_tokens.weight", "model.norm.weight"] + (
-        [] if cfg["tie_word_embeddings"] else ["lm_head.weight"]
-    )
-    need += [f"model.layers.{i}.{p}.weight" for i in range(cfg["num_hidden_layers"]) for p in per_layer]
-    missing = [n for n in need if n not in names]
-    if missing:
+def _check_complete(path: Path, cfg: dict, names: dict[str, str]) -> None:
+    """Raise UserError unless the file's tensors (GGUF name -> transformers name) are exactly those
+    the config needs: a missing one cannot be computed, an extra one (say an o_proj bias of a qwen2
+    file) would be silently ignored."""
+    config = ModelConfig.from_hf(cfg)
+    need, have = config.tensor_names(), set(names.values())
+    if missing := [n for n in need if n not in have]:
         raise UserError(f"{path}: GGUF file lacks {len(missing)} tensors, e.g. {missing[0]}")
+    need = set(need)
+    if extra := [g for g, hf in names.items() if hf not in need]:
+        raise UserError(
+            f"{path}: tensor {extra[0]} is not supported in a {config.model_type} model "
+            "(the architecture has no such tensor, or the engine does not implement it)"
+        )
 
 
 def _cache_file(path: Path, dtype: torch.dtype, home) -> Path:
@@ -329,14 +402,17 @@ def load_gguf(
     Returns:
         ``config_dict`` (see :func:`gguf_config`) and a state dict: ``model.embed_tokens.weight``
         [vocab, hidden], ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`` [out, in] (+ ``.bias``
-        for Qwen2), ``...self_attn.{q,k}_norm.weight`` [head_dim] (Qwen3), ``...mlp.{gate,up,down}_proj.weight``,
+        [out] for q/k/v of Qwen2, q/k/v/o of a Llama/Qwen3 file with attention biases),
+        ``...self_attn.{q,k}_norm.weight`` [head_dim] (Qwen3), ``...mlp.{gate,up,down}_proj.weight``,
         ``...{input,post_attention}_layernorm.weight``, ``model.norm.weight`` and ``lm_head.weight``
         [vocab, hidden] only when the embeddings are untied. Equal in float32 to what
         ``transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` loads.
 
     Raises:
-        UserError: naming the file, for a truncated/corrupt GGUF, an unsupported architecture or
-            tensor type, or missing tensors.
+        UserError: naming the file, for a truncated/corrupt GGUF, an unsupported architecture,
+            metadata or tensor type, missing or unsupported tensors, a tensor that dequantizes to
+            NaN or infinity (naming the tensor; nothing is cached then), or an OS failure writing
+            the cache (naming its path).
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -356,6 +432,7 @@ def load_gguf(
             return cfg, load_file(str(cached))
         except Exception:  # noqa: BLE001 - a damaged or modified cache is rebuilt, never fatal
             cached.unlink(missing_ok=True)
+            _stamp(cached).unlink(missing_ok=True)
     header = read_header(path)
     cfg = gguf_config(header)
     sd = _dequantize_all(header, cfg, dtype)
@@ -376,21 +453,15 @@ def _stamp_text(cached: Path) -> str:
 
 
 def _write_cache(cached: Path, sd: dict, cfg: dict, source: Path) -> None:
-    """Write atomically (temp file + rename), then drop older caches of the same file and dtype:
-    a re-downloaded GGUF has a new mtime, hence a new key, and the old copy would sit there (GBs)."""
+    """Write atomically (temp file + rename; an OS failure such as a full disk is a one-line
+    UserError and leaves no temporary file), then drop older caches of the same file and dtype: a
+    re-downloaded GGUF has a new mtime, hence a new key, and the old copy would sit there (GBs)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cached.parent, prefix=".", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(sd, tmp, metadata={"config": json.dumps(cfg), "source": str(source.resolve())})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, cached)
-        _stamp(cached).write_text(_stamp_text(cached))
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with atomic_path(cached) as tmp:
+        save_file(sd, str(tmp), metadata={"config": json.dumps(cfg), "source": str(source.resolve())})
+    write_text(_stamp(cached), _stamp_text(cached))
     dtype_suffix = cached.name.rsplit(".", 2)[-2]
     for other in cached.parent.glob(f"{source.stem}.*.{dtype_suffix}.safetensors"):
         if other == cached:

@@ -56,6 +56,8 @@ def random_state_dict(hf_config: dict, seed: int = 0, dtype=torch.bfloat16, devi
         }
         if c.attention_bias:
             sd |= {a + f"{n}_proj.bias": normal((w,), 0.1) for n, w in (("q", h * d), ("k", kvh * d), ("v", kvh * d))}
+        if c.o_proj_bias:
+            sd[a + "o_proj.bias"] = normal((hid,), 0.1 * depth)
         if c.qk_norm:
             sd |= {a + "q_norm.weight": norm(d), a + "k_norm.weight": norm(d)}
     return sd

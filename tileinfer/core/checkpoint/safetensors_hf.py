@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from tileinfer.core.checkpoint.checks import all_finite
 from tileinfer.core.errors import UserError
 
 
@@ -23,8 +24,8 @@ def load_hf_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     Returns (config dict, {name: tensor in its stored dtype}).
 
     Raises:
-        UserError: no config.json, no safetensors file, a shard named by the index is missing, or a
-        file is truncated/corrupt.
+        UserError: no config.json, no safetensors file, a shard named by the index is missing, a
+        file is truncated/corrupt, or a tensor holds NaN or infinity (naming it and its file).
     """
     folder = Path(folder)
     cfg_path = folder / "config.json"
@@ -47,7 +48,11 @@ def load_hf_folder(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         if not path.is_file():
             raise UserError(f"shard {name} named in {index.name} is missing from {folder}")
         try:
-            state.update(load_file(path))
+            shard = load_file(path)
         except (SafetensorError, OSError) as e:
             raise UserError(f"cannot read {path}: {e} (truncated or corrupt?)") from None
+        # found here, a NaN weight costs nothing; found as non-finite logits, a whole run
+        if bad := next((n for n, t in shard.items() if not all_finite(t)), None):
+            raise UserError(f"{path}: tensor {bad} holds NaN or infinite values; the checkpoint is corrupt")
+        state.update(shard)
     return config, state
