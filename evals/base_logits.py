@@ -23,14 +23,15 @@ tests/test_base_logits.py measures the gap on real model distributions.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from evals.metrics import position_metrics
+from tileinfer.core import files
 from tileinfer.core.errors import UserError
 
 FORMAT = "tileinfer-topk-reference/1"  # the files' format tag, kept so recorded files still load
@@ -121,9 +122,8 @@ class TopKLogits:
         )
 
     def save(self, path) -> None:
-        """Write atomically as safetensors (tensors + manifest in the header metadata)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write atomically as safetensors (tensors + manifest in the header metadata); an OS failure
+        (full disk, read-only folder) is a one-line UserError naming ``path``."""
         meta = {"format": FORMAT, "prompt_len": str(self.prompt_len), "manifest": json.dumps(self.manifest)}
         tensors = {
             "tokens": self.tokens,
@@ -132,10 +132,9 @@ class TopKLogits:
             "tail_logmass": self.tail_logmass,
             "next_logprob": self.next_logprob,
         }
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
-        os.chmod(tmp, 0o644)  # a committed base-logits file must be readable like any other
-        os.replace(tmp, path)
+        # small (a few hundred KiB): serialized in memory, then written readable by all (0o644), as a
+        # committed base-logits file must be
+        files.write_bytes(path, safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, metadata=meta))
 
     @classmethod
     def load(cls, path) -> "TopKLogits":
@@ -210,3 +209,45 @@ class TopKLogits:
             "argmax_base": ids[:, 0],
             "argmax_cand": argmax_cand,
         }
+
+
+# The default of ``base.dir`` (tileinfer/jobs/schema.py): the files shipped in this package, found
+# from any current folder; any other setting is a folder relative to the current one.
+DEFAULT_DIR = "evals/base_logits"
+SHIPPED_DIR = Path(__file__).resolve().parent / "base_logits"
+REFERENCE_BACKEND = "reference"  # the ground truth; its recordings are preferred
+
+
+def base_logits_dir(setting: str) -> Path:
+    """The folder of stored base logits that the ``base.dir`` setting names: :data:`SHIPPED_DIR` for
+    the default spelling, else the path as given (relative to the current folder)."""
+    return SHIPPED_DIR if setting == DEFAULT_DIR else Path(setting)
+
+
+def stored_path(setting: str, model: str, backend: str, stream: str) -> Path:
+    """File of one stored base logits stream: ``DIR/MODEL/BACKEND-STREAM.topk``.
+
+    Args:
+        setting: the ``base.dir`` setting (:func:`base_logits_dir`).
+        model: the model's registry name.
+        backend: the backend that recorded the file.
+        stream: what was recorded, e.g. ``bf16-nosmooth-edit0-ctx1024-n128`` (quant config, prompt
+            set and index, prompt length, scored positions).
+    """
+    return base_logits_dir(setting) / model / f"{backend}-{stream}.topk"
+
+
+def stored_backend(setting: str, model: str, streams: list[str], backend: str | None = None) -> str:
+    """The backend whose recordings of ``streams`` a job reads: ``backend`` when given (``base.backend``);
+    else the reference backend's when it recorded every stream, else the first other backend (by
+    name) that did. A recorded distribution is the ground truth of its configuration whichever
+    backend ran it, so stored base logits serve any backend on any device. When no backend recorded
+    them all, the reference backend (loading then names its missing file)."""
+    if backend is not None:
+        return backend
+    folder = base_logits_dir(setting) / model
+    recorded = sorted({p.name.split("-", 1)[0] for p in folder.glob("*.topk")}) if folder.is_dir() else []
+    for b in dict.fromkeys([REFERENCE_BACKEND, *recorded]):
+        if all(stored_path(setting, model, b, s).is_file() for s in streams):
+            return b
+    return REFERENCE_BACKEND

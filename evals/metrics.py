@@ -335,3 +335,23 @@ def _to_int_array(x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
     return np.asarray(x, dtype=np.int64).ravel()
+
+
+# A reply with more than this share of repeated 4-grams is stuck in a loop (tileinfer.jobs.tables).
+DEGENERATE_REPEAT = 0.5
+
+
+def repeated_ngram_fraction(tokens, n: int = 4) -> float:
+    """Share of ``tokens`` (a reply's ids) that complete an ``n``-gram already seen earlier in it.
+
+    A greedy reply that falls into a repeated sentence scores near 1 (every token after the first
+    cycle is predictable from the reply itself); prose and code copied once score low. The first
+    ``n - 1`` tokens cannot complete an n-gram and count as new. 0.0 for an empty reply.
+    """
+    tokens = [int(t) for t in tokens]
+    seen, repeated = set(), 0
+    for i in range(n - 1, len(tokens)):
+        gram = tuple(tokens[i - n + 1 : i + 1])
+        repeated += gram in seen
+        seen.add(gram)
+    return repeated / len(tokens) if tokens else 0.0

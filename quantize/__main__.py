@@ -14,6 +14,7 @@ from pathlib import Path
 from quantize.checkpoint import WEIGHTS_FILE, check_out, quantization_config, write_checkpoint
 from quantize.scheme import DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantScheme, apply
 from quantize.smoothing import DEFAULT_ALPHA
+from tileinfer.core import files
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import exit_on_user_error
 from tileinfer.core.fetch import pull
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> None:
     )
     out = args.out
     check_out(out, args.force)  # before any work
+    files.check_writable(out.resolve().parent)  # a read-only or forbidden place, before minutes of work
     from tileinfer.core.tokenizer import Tokenizer  # deferred: only the CLI needs it
 
     path = pull(args.model)

@@ -18,14 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from quantize.scheme import BUILTIN_CALIBRATION, calibration_text
+from tileinfer.core import files
 from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.errors import UserError
 from tileinfer.models.transformer import SCALE_SUFFIX
@@ -165,27 +164,18 @@ def write_checkpoint(
 
     Raises:
         UserError: ``out`` exists and is neither an empty folder nor (with ``force``) a quantized
-            checkpoint.
+            checkpoint; an OS failure (full disk, read-only or forbidden folder), naming ``out``. The
+            temporary folder is removed and an earlier checkpoint at ``out`` is kept.
     """
     out = Path(out)
     check_out(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
+    # the temporary folder becomes out (an earlier one is moved aside first, rename cannot replace a
+    # non-empty folder, and put back if that fails); OS failures are one line (tileinfer.core.files)
+    with files.atomic_path(out, folder=True) as tmp:
         save_file(_stored(state_dict), tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         config = {**hf_config, "quantization_config": quant_config}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(tmp)
         _publish_modes(tmp)
-        if out.exists():  # move the old one aside first: rename cannot replace a non-empty folder
-            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".old"))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -9,10 +9,10 @@ package round the same way). The embedding table and all norms stay in their flo
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
+from tileinfer.core.progress import progress_bar
 from tileinfer.models.transformer import SCALE_SUFFIX
 from tileinfer.ops.reference import quantize_int8
 
@@ -58,7 +58,8 @@ def quantize_weights(
     """
     out = dict(state_dict)
     names = linear_weight_names(config)
-    for name in tqdm(names, desc="int8 weights", unit="tensor", leave=False, disable=not progress):
+    bar = progress_bar(len(names), "int8 weights" if progress else None, unit="tensor")
+    for name in names:
         source = name
         if name == LM_HEAD and name not in state_dict and config.tie_word_embeddings:
             source = EMBED
@@ -68,4 +69,6 @@ def quantize_weights(
         if w.dtype == torch.int8:
             raise UserError(f"tensor {source!r} is already int8; quantize a float checkpoint")
         out[name], out[name + SCALE_SUFFIX] = quantize_int8(w)
+        bar.update(1)
+    bar.close()
     return out, names

@@ -46,7 +46,8 @@ def test_non_finite_logits_stop_the_scoring_pass():
 def test_a_saved_reply_is_reused_and_a_damaged_one_is_not(tmp_path):
     r, prompt, cache = runner(), list(range(1, 41)), tmp_path / "edit0.json"
     assert drift.load_stream(cache, prompt, 8) is None
-    first = drift.base_stream(r, prompt, 8, stop_ids=set())
+    base = drift.base_pass(r, prompt, 8, set(), drift.Snapshots(None))
+    first = drift.Stream(tuple(base.tokens.tolist()), base.prompt_len)
     drift.save_stream(first, 8, cache)
     assert drift.load_stream(cache, prompt, 8) == first
     assert drift.load_stream(cache, prompt[1:], 8) is None and drift.load_stream(cache, prompt, 9) is None

@@ -94,6 +94,7 @@ def row(**kw):
         ctx_tokens=1024,
         prompt_set="edit",
         prompts_sha256="p",
+        add_bos=None,
         n_score=128,
         base="stored:reference/bf16-nosmooth",
         top_k=64,

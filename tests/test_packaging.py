@@ -44,3 +44,37 @@ def test_installed_copy_composes_its_config_from_another_folder(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "kv_cache: int8" in out.stdout and "name: qwen2.5-coder-0.5b" in out.stdout
+
+
+def test_installed_copy_ships_the_gates_stored_base_logits_and_baselines(tmp_path):
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(REPO)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    shipped = [
+        p.relative_to(REPO)
+        for d in ("base_logits", "baselines")
+        for p in (REPO / "evals" / d).rglob("*")
+        if p.is_file()
+    ]
+    assert {p.suffix for p in shipped} == {".topk", ".parquet"}
+    assert [p for p in shipped if not (site / p).is_file()] == []
+    # the gate's defaults name the installed copies, whatever the current folder
+    code = (
+        "from omegaconf import OmegaConf; from evals import base_logits as b; from tileinfer import gate; "
+        "print(b.base_logits_dir(b.DEFAULT_DIR)); "
+        "print(gate.baseline_path(OmegaConf.create({'gate': {'baseline': 'evals/baselines/smollm2-135m.parquet'}, "
+        "'model': {'name': 'smollm2-135m'}})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(site)),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out == [str(site / "evals" / "base_logits"), str(site / "evals" / "baselines" / "smollm2-135m.parquet")]

@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import save_file
 
 from tileinfer.core import fetch as pullmod
 from tileinfer.core.errors import UserError
@@ -46,8 +48,31 @@ def test_missing_path_and_non_checkpoint_folder(tmp_path):
 def test_existing_paths_resolve_to_themselves(tmp_path, smollm2_gguf):
     assert pullmod.pull(smollm2_gguf) == smollm2_gguf.resolve()
     (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model.safetensors").write_bytes(b"")
+    save_file({"w": torch.ones(4, 4)}, tmp_path / "model.safetensors")
     assert pullmod.pull(tmp_path) == tmp_path.resolve()
+
+
+@pytest.mark.parametrize("cut", [100, 3_000_000, 50_000_000])  # in the header, in the tensor data
+def test_a_truncated_local_gguf_is_refused_in_one_line(tmp_path, smollm2_gguf, cut):
+    bad = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as f:
+        bad.write_bytes(f.read(cut))
+    out = subprocess.run(
+        [sys.executable, "-m", "tileinfer.pull", str(bad)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "truncated" in out.stderr
+
+
+@pytest.mark.parametrize("damage", ["cut", "header"])
+def test_a_truncated_or_corrupt_safetensors_folder_is_refused(tmp_path, damage):
+    (tmp_path / "config.json").write_text("{}")
+    f = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(64, 64)}, f)
+    data = f.read_bytes()
+    f.write_bytes(data[:-100] if damage == "cut" else b"\xff" * 8 + data[8:])
+    with pytest.raises(UserError, match="safetensors file"):
+        pullmod.pull(tmp_path)
 
 
 def test_pulled_file_matches_registry(smollm2_gguf):

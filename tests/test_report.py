@@ -273,3 +273,26 @@ def test_command_line_writes_the_report_and_rejects_an_empty_folder(rendered, tm
     assert out.returncode == 1
     assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("tileinfer.report: error: no result rows")
     assert not (tmp_path / "empty" / "report").exists()
+
+
+def test_degenerate_windows_are_flagged_and_rows_without_the_measure_are_unknown(tmp_path, capsys):
+    runs = write_runs(tmp_path, ctxs=("1k",), prompt_sets=("explain",), configs=CONFIGS[:3])
+    rows_dir = runs / "rows" / "smollm2-135m" / "reference"
+    # bf16 degenerate (80% of the reply repeats), int8_weights measured and fine, int8_kv written before the measure
+    for prefix, frac in [("bf16-", 0.8), ("int8_weights-", 0.1)]:
+        (f,) = rows_dir.glob(f"{prefix}*[0-9].parquet")
+        tables.atomic_parquet(
+            pl.read_parquet(f).with_columns(reply_repeat_frac=pl.lit(frac), degenerate=pl.lit(frac > 0.5)), f
+        )
+    md = report.render(runs).read_text()
+    warning = [line for line in md.splitlines() if line.startswith("**Warning:**")]
+    assert len(warning) == 1 and warning[0].endswith(
+        "degenerate window (over 50% of the reply repeats an earlier "
+        "4-gram, so their KL understates the drift): "
+        "smollm2-135m/bf16/1k/explain/reference"
+    )
+    tab = table_of(md, "1k", "explain")
+    assert tab["bf16"]["Reply repetition"] == "**80%, degenerate**"
+    assert tab["int8_weights"]["Reply repetition"] == "10%"
+    assert tab["int8_kv (smoothed keys)"]["Reply repetition"] == "?"  # unknown, not degenerate
+    assert "warning: 1 row(s) scored a degenerate window" in capsys.readouterr().out

@@ -127,10 +127,11 @@ def test_registry_is_the_one_shape_table():
 
 def test_registry_config_matches_the_checkpoint_and_a_mismatch_is_refused(smollm2_gguf):
     ck = load_checkpoint(smollm2_gguf, dtype=torch.float32)
-    registry.check_checkpoint_config("smollm2-135m", ck.config)
+    want = registry.model_entry("smollm2-135m")["config"]
+    registry.check_checkpoint_config("smollm2-135m", ck.config, want)
     wrong = dataclasses.replace(ck.config, num_key_value_heads=9)
     with pytest.raises(UserError, match="num_key_value_heads 9 .conf/model says 3."):
-        registry.check_checkpoint_config("smollm2-135m", wrong)
+        registry.check_checkpoint_config("smollm2-135m", wrong, want)
 
 
 @pytest.mark.parametrize(

@@ -15,13 +15,22 @@ base (see ``BaseSettings`` in tileinfer/jobs/schema.py), then checked:
   worse than the baseline row of the same configuration, plus ``gate.floor`` (the noise floor of
   BF16 rounding, so a valid reordering of sums does not fail), top-1 agreement no more than
   ``gate.max_top1_drop`` lower. Baselines are plain Parquet
-  tables of sweep rows; ``--update-baseline`` rewrites the matching rows, never silently.
+  tables of sweep rows; ``--update-baseline`` rewrites the matching rows, never silently. A backend
+  with no baseline row of its own is checked against the reference backend's row of the same
+  configuration (check ``baseline-ref``), its bounds widened by the kernel bounds of the setup
+  (:func:`fallback_margin`); the gate prints the margin and the command that records the backend's
+  own row.
+
+The default ``gate.baseline`` (``evals/baselines/MODEL.parquet``) and ``base.dir`` name the tables and
+stored base logits shipped in the ``evals`` package, found from any folder; other paths are relative
+to the current folder.
 
 Exit codes: 0 all checks hold; 1 some check failed (the verdict table says which); 2 usage errors.
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
 import traceback
 from dataclasses import asdict
@@ -29,13 +38,19 @@ from pathlib import Path
 
 import hydra
 import polars as pl
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import evals
 from tileinfer.core.errors import NonFiniteLogits, UserError, check_runs_dir, exit_on_user_error
 from tileinfer.jobs import identity, job, schema, tables
 from tileinfer.jobs.schema import Config
 
 PASS, FAIL = "PASS", "FAIL"
+# The check of a backend without a baseline row of its own against the reference backend's row.
+FALLBACK_CHECK, FALLBACK_BACKEND = "baseline-ref", "reference"
+# gate.baseline's default (conf/gate.yaml, ``${model.name}`` filled in): the table shipped in evals/.
+DEFAULT_BASELINE = "evals/baselines/{model}.parquet"
 _outcome: list[int] = []  # exit code decided by the gate (absent: Hydra or a usage error ended the run)
 
 
@@ -54,13 +69,40 @@ def _verdict(
     )
 
 
+def setup_of(row: dict) -> str:
+    """The ``gate.bounds`` entry of a row: its model dtype, ``<dtype>-int8kv`` with an INT8 KV cache."""
+    return row["dtype"] + ("-int8kv" if row["kv_cache"] == "int8" else "")
+
+
 def bounds_for(row: dict, gate) -> dict:
     """Kernel-check bounds for a row: by model dtype, and ``<dtype>-int8kv`` with an INT8 cache, whose
     rounding amplifies any perturbation (measured noise floors in conf/gate.yaml)."""
-    key = row["dtype"] + ("-int8kv" if row["kv_cache"] == "int8" else "")
+    key = setup_of(row)
     if key not in gate["bounds"]:
         raise UserError(f"gate.bounds has no entry {key!r}")
     return gate["bounds"][key]
+
+
+def fallback_margin(row: dict, gate) -> dict:
+    """What a baseline check adds to its bounds when it compares a backend's row with the reference
+    backend's row (the backend has none of its own): the kernel bounds of the row's setup, which are
+    the drift allowed between two backends on one configuration (about twice that of a valid
+    reimplementation). Mean and 99.9% KL may rise by the kernel KL bounds (drifts of independent
+    roundings add, to first order); top-1 agreement may drop by the share of tokens the kernel bound
+    lets flip, ``1 - top1_agree`` (exact: agreement with the base drops at most by disagreement with
+    the reference backend)."""
+    b = bounds_for(row, gate)
+    return {"kl_mean": b["kl_mean"], "kl_p999": b["kl_p999"], "top1_agree": 1 - b["top1_agree"]}
+
+
+def fallback_note(row: dict, gate) -> str:
+    """The line that says a ``baseline-ref`` check stood in for a baseline row, and with which margin."""
+    m = fallback_margin(row, gate)
+    return (
+        f"{FALLBACK_CHECK}: no baseline row for backend={row['backend']}, so the reference backend's row stands "
+        f"in, bounds widened by the kernel bounds gate.bounds.{setup_of(row)}: kl_mean +{m['kl_mean']:g}, "
+        f"kl_p999 +{m['kl_p999']:g}, top1_agree -{m['top1_agree']:g}"
+    )
 
 
 def kernel_checks(row: dict, gate) -> list[dict]:
@@ -73,9 +115,11 @@ def kernel_checks(row: dict, gate) -> list[dict]:
     ]
 
 
-def baseline_checks(row: dict, base: dict | None, gate) -> list[dict]:
-    """Candidate vs the baseline row of the same configuration (None: a FAIL, "row present")."""
-    ps = row["prompt_set"]
+def baseline_checks(row: dict, base: dict | None, gate, margin: dict | None = None) -> list[dict]:
+    """Candidate vs the baseline row of the same configuration (None: a FAIL, "row present"); with a
+    ``margin`` (:func:`fallback_margin`) the row is the reference backend's and the checks are
+    ``baseline-ref`` ones, their bounds widened by it."""
+    ps, kind, extra = row["prompt_set"], "baseline" if margin is None else FALLBACK_CHECK, margin or {}
     if base is None:
         return [
             dict(
@@ -89,17 +133,19 @@ def baseline_checks(row: dict, base: dict | None, gate) -> list[dict]:
             )
         ]
     out = [
-        _verdict("baseline", ps, m, base[m], row[m], base[m] * (1 + gate["max_increase"]) + gate["floor"][m])
+        _verdict(
+            kind, ps, m, base[m], row[m], base[m] * (1 + gate["max_increase"]) + gate["floor"][m] + extra.get(m, 0.0)
+        )
         for m in ("kl_mean", "kl_p999")
     ]
     out.append(
         _verdict(
-            "baseline",
+            kind,
             ps,
             "top1_agree",
             base["top1_agree"],
             row["top1_agree"],
-            base["top1_agree"] - gate["max_top1_drop"],
+            base["top1_agree"] - gate["max_top1_drop"] - extra.get("top1_agree", 0.0),
             higher_is_better=True,
         )
     )
@@ -109,6 +155,22 @@ def baseline_checks(row: dict, base: dict | None, gate) -> list[dict]:
 def _same_config(row: dict) -> pl.Expr:
     """Baseline rows of ``row``'s configuration (identity.DRIFT columns equal, nulls equal to nulls)."""
     return pl.all_horizontal([pl.col(k).eq_missing(row[k]) for k in identity.DRIFT])
+
+
+def baseline_row(row: dict, baseline: pl.DataFrame | None) -> tuple[dict | None, bool]:
+    """The baseline row of ``row``'s configuration (identity.DRIFT), else, for a backend with no row of
+    its own, the reference backend's row of the configuration that is the same in every other column
+    (same base: the same stored base logits); and whether it is that stand-in."""
+    if baseline is None or baseline.is_empty():
+        return None, False
+    match = baseline.filter(_same_config(row))
+    if len(match):
+        return match.row(0, named=True), False
+    if row["backend"] != FALLBACK_BACKEND:
+        match = baseline.filter(_same_config(row | {"backend": FALLBACK_BACKEND}))
+        if len(match):
+            return match.row(0, named=True), True
+    return None, False
 
 
 def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl.DataFrame:
@@ -121,19 +183,18 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
         gate: the ``gate`` config: ``bounds``, ``max_increase``, ``floor``, ``max_top1_drop``.
 
     Returns:
-        One row per check: check (kernel | baseline), prompt_set, metric, baseline, candidate, bound,
-        verdict (PASS | FAIL). A missing baseline row fails (metric ``row present``): the gate
-        cannot certify a configuration it has no record of.
+        One row per check: check (kernel | baseline | baseline-ref), prompt_set, metric, baseline,
+        candidate, bound, verdict (PASS | FAIL). ``baseline-ref``: the candidate's backend has no
+        row, the reference backend's row stands in with bounds widened by :func:`fallback_margin`.
+        A missing baseline row fails (metric ``row present``): the gate cannot certify a
+        configuration it has no record of.
     """
     out: list[dict] = []
     for r in candidate.iter_rows(named=True):
         if r["kernel"]:
             out += kernel_checks(r, gate)
-        base = None
-        if baseline is not None and not baseline.is_empty():
-            match = baseline.filter(_same_config(r))
-            base = match.row(0, named=True) if len(match) else None
-        out += baseline_checks(r, base, gate)
+        base, stand_in = baseline_row(r, baseline)
+        out += baseline_checks(r, base, gate, fallback_margin(r, gate) if stand_in else None)
     return pl.DataFrame(
         out,
         schema={
@@ -174,6 +235,24 @@ def print_verdicts(v: pl.DataFrame) -> None:
         print(v)
 
 
+def baseline_path(cfg: Config) -> Path | None:
+    """The baseline table of ``gate.baseline``: the default (:data:`DEFAULT_BASELINE`) is the table
+    shipped in the ``evals`` package, found from any folder; another path is relative to the current
+    folder; None with ``gate.baseline=null``."""
+    if cfg.gate.baseline is None:
+        return None
+    if cfg.gate.baseline == DEFAULT_BASELINE.format(model=cfg.model.name):
+        return Path(evals.__file__).resolve().parent / "baselines" / f"{cfg.model.name}.parquet"
+    return Path(cfg.gate.baseline)
+
+
+def update_command(backend: str) -> str:
+    """The command line that records this gate job's baseline rows: its own overrides (of this job, in a
+    multirun) with the backend that ran, plus ``--update-baseline``."""
+    keep = [o for o in HydraConfig.get().overrides.task if not o.startswith(("backend=", "gate.update_baseline="))]
+    return shlex.join(["python", "-m", "tileinfer.gate", *keep, f"backend={backend}", "--update-baseline"])
+
+
 def read_baseline(cfg: Config, kernel: bool) -> pl.DataFrame | None:
     """The baseline table the gate compares with (None with ``gate.baseline=null`` or when it is about
     to be written by ``--update-baseline``).
@@ -191,7 +270,7 @@ def read_baseline(cfg: Config, kernel: bool) -> pl.DataFrame | None:
                 "with a base of the same quant config: add base.quant=same"
             )
         return None
-    path = Path(cfg.gate.baseline)
+    path = baseline_path(cfg)
     if not path.exists():
         if cfg.gate.update_baseline:
             return None
@@ -223,14 +302,23 @@ def run_gate(cfg: Config) -> int:
     cand = pl.concat([pl.read_parquet(p) for p in paths], how="diagonal_relaxed").with_columns(
         kernel=pl.lit(j.scheme == j.base_scheme)
     )
+    path = baseline_path(cfg)
     if cfg.gate.update_baseline:
-        update_baseline(Path(cfg.gate.baseline), cand.drop("kernel"))
-        print(f"baseline updated: {cfg.gate.baseline} ({len(cand)} rows)")
+        update_baseline(path, cand.drop("kernel"))
+        print(f"baseline updated: {path} ({len(cand)} rows)")
         return 0
     verdicts = evaluate(cand, baseline, asdict(cfg.gate))
-    if cfg.gate.baseline is None:  # kernel checks only, e.g. a new backend before any baseline exists
+    if path is None:  # kernel checks only, e.g. a new backend before any baseline exists
         verdicts = verdicts.filter(pl.col("check") == "kernel")
+    else:
+        print(f"baseline table: {path}")
     print_verdicts(verdicts)
+    row = cand.row(0, named=True)
+    if (verdicts["check"] == FALLBACK_CHECK).any():
+        print(
+            f"{fallback_note(row, asdict(cfg.gate))}; once it passes, record {row['backend']}'s own rows with: "
+            f"{update_command(row['backend'])}"
+        )
     failed = verdicts.filter(pl.col("verdict") == FAIL)
     if verdicts.is_empty():
         print("gate: FAIL (no checks ran)")
@@ -240,7 +328,11 @@ def run_gate(cfg: Config) -> int:
         return 0
     print(
         f"gate: FAIL ({len(failed)} of {len(verdicts)} checks)"
-        + ("; no baseline row: record one with --update-baseline" if (failed["metric"] == "row present").any() else "")
+        + (
+            f"; no baseline row: record one with: {update_command(row['backend'])}"
+            if (failed["metric"] == "row present").any()
+            else ""
+        )
     )
     return 1
 
@@ -267,8 +359,9 @@ def cli() -> None:
     """``--update-baseline`` is spelled as a flag, as users expect; Hydra sees gate.update_baseline=true.
     Hydra's own argument errors (exit 1) become exit 2, as every usage error here."""
     sys.argv = [("gate.update_baseline=true" if a == "--update-baseline" else a) for a in sys.argv]
-    schema.check_renamed("tileinfer.gate", sys.argv[1:], exit_code=2)
+    schema.check_argv("tileinfer.gate", sys.argv[1:], exit_code=2)
     check_runs_dir("tileinfer.gate", sys.argv[1:], exit_code=2, default="runs/gate")
+    schema.check_jobs("tileinfer.gate", sys.argv[1:], config_name="gate", exit_code=2)
     try:
         main()
     except SystemExit as e:

@@ -4,10 +4,13 @@
     python -m tileinfer.record quant=int8_both base.top_k=128
 
 The configuration recorded is the job's candidate (``backend`` and ``quant``), so a later run with
-``base.source=stored`` (and ``base.backend`` / ``base.quant`` naming this
-configuration) compares against it instead of recomputing it, on another machine or backend. Files
-go to ``base.dir/MODEL/`` (see :class:`evals.base_logits.TopKLogits`); the manifest records
-the model checksum, backend, device, dtype, git commit and library versions.
+``base.source=stored`` (and ``base.quant=same`` for a quantized recording) compares against it
+instead of recomputing it, on any backend and device: a recorded distribution is the ground truth
+of its configuration, whichever backend recorded it (the reference backend's recording is read
+first; ``base.backend`` picks another, see :func:`evals.base_logits.stored_backend`). Files go to
+``base.dir/MODEL/BACKEND-...topk`` (the default ``base.dir`` is the ``evals`` package's
+``base_logits/``, whatever the current folder; see :class:`evals.base_logits.TopKLogits`); the
+manifest records the model checksum, backend, device, dtype, git commit and library versions.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    schema.check_renamed("tileinfer.record", sys.argv[1:])
+    schema.check_argv("tileinfer.record", sys.argv[1:])
     check_runs_dir("tileinfer.record", sys.argv[1:])
+    schema.check_jobs("tileinfer.record", sys.argv[1:], config_name="record")
     main()

@@ -3,15 +3,18 @@
     python -m tileinfer.report runs/                  # writes runs/report/
     python -m tileinfer.report runs/ --out /tmp/rep
 
-Reads every result row under RUNS_DIR (the Parquet rows of ``python -m tileinfer.sweep``) and writes
-into the output folder:
+Reads the sweep's result rows of RUNS_DIR (the Parquet rows of ``python -m tileinfer.sweep`` under
+``RUNS_DIR/rows/``, not the gate's runs; one per row identity, the newest:
+:func:`tileinfer.jobs.tables.sweep_rows`) and writes into the output folder:
 
 - ``summary.parquet`` / ``summary.md``: all rows as one table (:func:`tileinfer.jobs.tables.write_summary`);
 - ``scatter-*.png``: mean KL (log scale) against decode speed, one plot per (model, ctx, backend);
 - ``kl_by_position-*.png``: KL along the scored window, one plot per (model, ctx, backend, prompt set);
 - ``report.md``: one section per (model, ctx, backend) with one table per prompt set (prompt sets
   are never averaged together), the drift columns under llama.cpp's ``--kl-divergence`` names and
-  prefill/decode speed as a ratio to the BF16 row; the plots are linked from it.
+  prefill/decode speed as a ratio to the BF16 row; the plots are linked from it. Rows whose scored
+  window is degenerate (the reply mostly repeats itself, so KL is understated) are named in a warning
+  and marked in a column; rows written before repetition was measured show ``?`` there.
 
 Every file is written to a temporary name first and then renamed, and ``report.md`` comes last, so
 an interrupted report never leaves a half-written file under a final name.
@@ -20,7 +23,7 @@ an interrupted report never leaves a half-written file under a final name.
 from __future__ import annotations
 
 import argparse
-import os
+import io
 import re
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,7 +35,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
-from evals.metrics import LLAMA_CPP_LABELS  # noqa: E402
+from evals.metrics import DEGENERATE_REPEAT, LLAMA_CPP_LABELS  # noqa: E402
+from tileinfer.core import files  # noqa: E402
 from tileinfer.core.errors import UserError, exit_on_user_error  # noqa: E402
 from tileinfer.jobs import identity, tables  # noqa: E402
 
@@ -53,6 +57,7 @@ DETERMINED = (
 )
 SETUP = [c for c in identity.IDENTITY if c not in (*GROUP, *CONFIG, *DETERMINED)]
 QUANT_ORDER = ["bf16", "int8_weights", "int8_kv", "int8_both"]
+REPETITION = {"reply_repeat_frac", "degenerate"}  # row columns of the scored reply's repetition
 
 
 def _label(key: str) -> str:
@@ -73,10 +78,11 @@ DRIFT_COLUMNS = [
 ]
 
 
-def load_rows(runs_dir: Path) -> pl.DataFrame:
-    """Every result row under ``runs_dir`` (the files :func:`tables.collect` reads), with the row's
-    file in an extra column ``row_file`` so its positions file can be found. Parquet files that are
-    not sweep rows (no model, quant, ctx, backend, prompt set or mean KL) are left out.
+def load_rows(runs_dir: Path) -> tuple[pl.DataFrame, Path, int]:
+    """The sweep rows of ``runs_dir`` (:func:`tables.sweep_rows`: under ``runs_dir/rows``, once per row
+    identity), with the row's file in an extra column ``row_file`` so its positions file can be
+    found; the folder read; how many duplicate rows were dropped. Parquet files that are not sweep
+    rows (no model, quant, ctx, backend, prompt set or mean KL) are left out.
 
     Raises:
         UserError: ``runs_dir`` is not a folder or holds no result rows.
@@ -84,15 +90,15 @@ def load_rows(runs_dir: Path) -> pl.DataFrame:
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         raise UserError(f"{runs_dir} is not a folder")
-    frames = tables.read_row_files(tables.row_files(runs_dir))
-    df = pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
+    df, rows_dir, duplicates = tables.sweep_rows(runs_dir)
     needed = [*GROUP, "quant", "prompt_set", "kl_mean"]
     if set(needed) <= set(df.columns):
         df = df.filter(pl.all_horizontal(pl.col(needed).is_not_null()))
     if df.is_empty() or not {*needed, *CONFIG} <= set(df.columns):
-        raise UserError(f"no result rows under {runs_dir} (run python -m tileinfer.sweep first)")
+        raise UserError(f"no result rows under {rows_dir} (run python -m tileinfer.sweep first)")
     # rows written before these columns existed
-    return df.with_columns([pl.lit(None, pl.String).alias(c) for c in SETUP if c not in df.columns])
+    df = df.with_columns([pl.lit(None, pl.String).alias(c) for c in SETUP if c not in df.columns])
+    return df, rows_dir, duplicates
 
 
 def latest_rows(df: pl.DataFrame) -> tuple[pl.DataFrame, int]:
@@ -160,6 +166,14 @@ def _speed(value, ref) -> str:
     return f"{text} ({value / ref:.2f}×)" if ref else text
 
 
+def _repetition(r: dict) -> str:
+    """``12%``; ``**80%, degenerate**``; ``?`` for a row written before repetition was measured."""
+    if r.get("degenerate") is None:
+        return "?"
+    frac = _fmt(r.get("reply_repeat_frac"), "{:.0f}%", 100)
+    return f"**{frac}, degenerate**" if r["degenerate"] else frac
+
+
 def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
     """A Markdown table with one row per configuration of one prompt set (BF16 first) and the
     notes it needs (missing BF16 base, KL estimated rather than exact)."""
@@ -169,11 +183,13 @@ def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
     if not ref:
         notes.append("no BF16 row here, so speeds are shown without ratios.")
     est = "kl_estimate" in rows.columns and rows["kl_estimate"].drop_nulls().ne("exact").any()
+    rep = bool(REPETITION & set(rows.columns))
     head = (
         ["Config"]
         + [h for _, h, *_ in DRIFT_COLUMNS]
         + ["Greedy agree len (tokens)", "Prefill tok/s", "Decode tok/s"]
         + (["KL estimate"] if est else [])
+        + (["Reply repetition"] if rep else [])
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows.iter_rows(named=True):
@@ -188,6 +204,7 @@ def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
                 _speed(r.get("decode_tok_s"), ref.get("decode_tok_s")),
             ]
             + ([r.get("kl_estimate") or "–"] if est else [])
+            + ([_repetition(r)] if rep else [])
         )
         lines.append("| " + " | ".join(cells) + " |")
     if est:
@@ -201,11 +218,14 @@ def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
 
 
 def _save(fig, path: Path) -> None:
-    """Write ``fig`` as PNG to ``path`` atomically and close it."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    """Write ``fig`` as PNG to ``path`` atomically and close it (rendered in memory: the file is
+    written by :func:`tileinfer.core.files.write_bytes`, whose OS failures are one-line errors)."""
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    files.write_bytes(path, buf.getvalue())
 
 
 def _colors(group: pl.DataFrame) -> dict[str, tuple]:
@@ -318,16 +338,21 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
     ``report.md``. Raises UserError when there are no rows."""
     runs_dir = Path(runs_dir)
     out_dir = Path(out_dir) if out_dir else runs_dir / "report"
-    df = load_rows(runs_dir)
+    df, rows_dir, duplicates = load_rows(runs_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tables.write_summary(df.drop("row_file"), out_dir)
     rows, dropped = latest_rows(df)
+    dropped += duplicates
     several_backends = rows["backend"].n_unique() > 1
+    print(f"report: {len(rows)} result rows from {rows_dir}" + (f" ({dropped} older left out)" if dropped else ""))
+    degenerate = tables.degenerate_note(rows)
+    if degenerate:
+        print(f"warning: {degenerate}")
 
     md = [
         f"# tileinfer report: {runs_dir}",
         "",
-        f"{len(rows)} result rows, generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. "
+        f"{len(rows)} result rows from `{rows_dir}`, generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. "
         "All rows: [summary.md](summary.md) / `summary.parquet`.",
         "",
         "Drift statistics are those of llama.cpp's `perplexity --kl-divergence`, under its names: "
@@ -339,6 +364,15 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
         "the sweep's row. Speeds are tokens/s with the ratio to the BF16 row of the same table in "
         "parentheses (above 1.00× is faster).",
     ]
+    if REPETITION & set(rows.columns):
+        md[-1] += (
+            " Reply repetition is the share of the scored reply that continues a 4-gram seen earlier in it; "
+            f"above {DEGENERATE_REPEAT:.0%} the window is degenerate (trivially predictable, so KL understates "
+            "the drift); "
+            "? marks rows written before it was measured."
+        )
+    if degenerate:
+        md += ["", f"**Warning:** {degenerate}"]
     if dropped:
         md += ["", f"Note: {dropped} older row(s) of a configuration that has a newer row were left out."]
     varying = [c for c in SETUP if rows[c].n_unique() > 1]
@@ -381,15 +415,13 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
                 notes.append(f"no positions files for prompt set {prompt_set}, so no KL-per-position plot.")
             md += [f"\nNote: {t}" for t in notes]
     report = out_dir / "report.md"
-    tmp = out_dir / f".report.md.tmp{os.getpid()}"
-    tmp.write_text("\n".join(md) + "\n")
-    os.replace(tmp, report)
+    files.write_text(report, "\n".join(md) + "\n")
     return report
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="tileinfer.report", description=__doc__.splitlines()[0])
-    ap.add_argument("runs_dir", type=Path, help="folder of sweep results (searched at any depth)")
+    ap.add_argument("runs_dir", type=Path, help="runs folder of the sweep (its rows/ are read)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: RUNS_DIR/report)")
     args = ap.parse_args(argv)
     with exit_on_user_error("tileinfer.report"):

@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import hydra
 import polars as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from tileinfer.core import files
 from tileinfer.core.errors import check_runs_dir, exit_on_user_error
 from tileinfer.jobs import job, schema, tables
 
 ROWS_LIST = "rows.json"  # in each job's Hydra output folder: the row files the job produced
+_SWEEP = {"jobs": 1, "started": None}  # jobs of this command (schema.check_jobs) and when the first began
 
 
 def read_rows(paths) -> pl.DataFrame:
@@ -38,10 +42,23 @@ schema.register()
 @hydra.main(version_base="1.3", config_path="pkg://tileinfer.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point: one job of a run or multirun."""
+    announce(HydraConfig.get())
     with exit_on_user_error("tileinfer.sweep"):
         paths = job.run(schema.load(cfg))
-        tables.print_table(read_rows(paths))
-        (Path(HydraConfig.get().runtime.output_dir) / ROWS_LIST).write_text(json.dumps([str(p) for p in paths]))
+        tables.print_table(read_rows(paths), where=paths)
+        files.write_text(Path(HydraConfig.get().runtime.output_dir) / ROWS_LIST, json.dumps([str(p) for p in paths]))
+
+
+def announce(hc) -> None:
+    """Print ``job k/N: overrides`` before a job of a multirun, with the time the jobs so far took and
+    a rough estimate for the rest (their mean time per job; cached rows make it an upper bound)."""
+    if hc.mode != RunMode.MULTIRUN:
+        return
+    k, n, now = hc.job.num + 1, _SWEEP["jobs"], time.monotonic()
+    _SWEEP["started"] = _SWEEP["started"] or now
+    spent = now - _SWEEP["started"]
+    eta = f"; {spent / 60:.1f} min so far, about {spent / (k - 1) * (n - k + 1) / 60:.0f} min left" if k > 1 else ""
+    print(f"=== job {k}/{n}: {' '.join(hc.overrides.task) or '(defaults)'}{eta} ===", file=sys.stderr, flush=True)
 
 
 class PrintSummary(Callback):
@@ -53,12 +70,14 @@ class PrintSummary(Callback):
         if not paths:
             return
         df = read_rows(paths)
-        tables.write_summary(df, out)
+        with exit_on_user_error("tileinfer.sweep"):
+            tables.write_summary(df, out)
         print(f"\n=== sweep summary ({len(df)} rows; {out}/summary.md) ===")
-        tables.print_table(df)
+        tables.print_table(df, where=paths)
 
 
 if __name__ == "__main__":
-    schema.check_renamed("tileinfer.sweep", sys.argv[1:])
+    schema.check_argv("tileinfer.sweep", sys.argv[1:])
     check_runs_dir("tileinfer.sweep", sys.argv[1:])
+    _SWEEP["jobs"] = schema.check_jobs("tileinfer.sweep", sys.argv[1:])
     main()

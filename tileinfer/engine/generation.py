@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
+from tileinfer.core.progress import progress_bar
 from tileinfer.engine.runner import ModelRunner
 
 
@@ -61,14 +61,7 @@ def generate(
         runner.check_length(seq, len(prompt) + max_new_tokens - 1)
         token = choose(runner.prefill(seq, prompt, progress=progress and f"{progress} prefill"))
         out = [token]
-        bar = tqdm(
-            total=max_new_tokens,
-            initial=1,
-            desc=progress and f"{progress} decode",
-            unit="tok",
-            leave=False,
-            disable=progress is None,
-        )
+        bar = progress_bar(max_new_tokens, progress and f"{progress} decode", initial=1)
         while token not in stop_ids and len(out) < max_new_tokens:
             token = choose(runner.decode(seq, token))
             out.append(token)

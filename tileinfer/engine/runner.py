@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from tqdm.auto import tqdm
 
 from tileinfer.core.errors import UserError
 from tileinfer.core.kv_cache import BlockManager, PagedKVCache, Sequence
+from tileinfer.core.progress import progress_bar
 from tileinfer.models import Transformer
 from tileinfer.ops import get_backend
 
@@ -122,12 +122,12 @@ class ModelRunner:
         Rows at sequence positions >= ``logits_from`` get logits; each chunk yields the position of
         its first scored row and float32 logits [rows, vocab] (chunks with none yield nothing).
         With ``logits_from=None`` only the last position of the last chunk gets logits.
-        ``progress`` names a tqdm bar, or None for none.
+        ``progress`` names a progress bar (tileinfer.core.progress), or None for none.
         """
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         self.check_length(seq, tokens.shape[0])
         n = tokens.shape[0]
-        bar = tqdm(total=n, desc=progress, unit="tok", leave=False, disable=progress is None)
+        bar = progress_bar(n, progress)
         for start in range(0, n, self.prefill_chunk):
             chunk = tokens[start : start + self.prefill_chunk]
             first = seq.length

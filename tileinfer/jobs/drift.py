@@ -11,7 +11,6 @@ and decode steps are timed after them.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,9 +20,11 @@ import torch
 
 from evals.base_logits import FullLogits
 from evals.metrics import MetricsAccumulator, greedy_agreement_length
+from tileinfer.core import files
 from tileinfer.core.errors import NonFiniteLogits
-from tileinfer.engine.generation import generate
+from tileinfer.core.progress import progress_bar
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.jobs.resume import Restored, Snapshots
 
 
 @dataclass(frozen=True)
@@ -50,19 +51,10 @@ def load_stream(cache_file: Path, prompt: list[int], n_reply: int) -> Stream | N
     return Stream(tuple(saved["prompt"] + saved["reply"]), len(prompt))
 
 
-def base_stream(runner: ModelRunner, prompt: list[int], n_reply: int, stop_ids) -> Stream:
-    """The prompt plus the runner's greedy reply of at most ``n_reply`` tokens (ending at a stop id)."""
-    reply = generate(runner, list(prompt), n_reply, stop_ids=stop_ids, progress="base reply").tokens
-    return Stream(tuple(prompt) + tuple(reply), len(prompt))
-
-
 def save_stream(stream: Stream, n_reply: int, cache_file: Path) -> None:
     """Save a stream atomically for :func:`load_stream` (once its logits proved finite)."""
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
     prompt = list(stream.tokens[: stream.prompt_len])
-    tmp.write_text(json.dumps({"prompt": prompt, "reply": list(stream.reply), "n_reply": n_reply}))
-    os.replace(tmp, cache_file)
+    files.write_text(cache_file, json.dumps({"prompt": prompt, "reply": list(stream.reply), "n_reply": n_reply}))
 
 
 def check_finite(logits: torch.Tensor) -> torch.Tensor:
@@ -78,15 +70,102 @@ def check_finite(logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PassResult:
-    """Timings of one teacher-forced pass (seconds, from a synchronized host clock)."""
+    """Timings of one teacher-forced pass (seconds, from a synchronized host clock); ``prefill_s`` is
+    None when the prefill was resumed from a snapshot (not timed in one piece)."""
 
-    prefill_s: float
+    prefill_s: float | None
     decode_s: float
     decode_steps: int
 
 
+def prefill(runner: ModelRunner, seq, prompt: list[int], snaps: Snapshots, progress: str) -> tuple[Restored, bool]:
+    """Prefill ``prompt`` into the empty ``seq`` chunk by chunk, from a snapshot where one exists.
+
+    Returns (state, resumed): ``state.first`` holds the float32 logits [vocab] after the prompt, and
+    ``state.fed`` may run past the prompt when the snapshot did (a base reply in progress).
+    A snapshot is saved at a chunk boundary when due, and on Ctrl-C.
+    """
+    state = snaps.restore(runner, seq, prompt)
+    resumed = bool(state.fed)
+    if len(state.fed) >= len(prompt):
+        return state, resumed
+    bar = progress_bar(len(prompt), progress, initial=len(state.fed))
+    try:
+        for start in range(len(state.fed), len(prompt), runner.prefill_chunk):
+            state.last = check_finite(runner.prefill(seq, prompt[start : start + runner.prefill_chunk])[None])[0]
+            state.fed = prompt[: seq.length]
+            bar.update(seq.length - start)
+            if snaps.due() and seq.length < len(prompt):
+                snaps.save(runner, seq, state.fed, None, state.last)
+    except KeyboardInterrupt:
+        snaps.save(runner, seq, state.fed, None, state.last)
+        raise
+    finally:
+        bar.close()
+    state.first = state.last
+    return state, resumed
+
+
+def base_pass(
+    runner: ModelRunner, prompt: list[int], n_reply: int, stop_ids, snaps: Snapshots, reply: list[int] | None = None
+) -> FullLogits:
+    """The base side of a prompt in one pass: the prompt is prefilled once, the greedy reply of at
+    most ``n_reply`` tokens (ending at a stop id) is decoded after it (unless ``reply`` is given,
+    e.g. from the stream cache), then the sequence is cut back to the prompt and the reply is run
+    teacher-forced, exactly as :func:`teacher_forced` runs a candidate, for the float32 logits
+    [len(reply), vocab] at every scored position (on the CPU). Resumable (:mod:`resume`).
+
+    Raises:
+        NonFiniteLogits: NaN or infinite logits anywhere.
+        UserError: prompt plus reply exceed the runner's context.
+    """
+    seq = runner.new_sequence()
+    try:
+        runner.check_length(seq, len(prompt) + n_reply - 1)
+        state, _ = prefill(runner, seq, prompt, snaps, "base prefill")
+        if reply is None:
+            reply = _greedy_reply(runner, seq, prompt, n_reply, stop_ids, snaps, state)
+        seq.truncate(len(prompt))
+        logits = [state.first[None].cpu()]
+        # the last reply token is never an input: nothing after it is scored
+        for _, lg in runner.chunks(seq, reply[:-1], logits_from=len(prompt), progress="base score"):
+            logits.append(check_finite(lg).cpu())
+        snaps.clear()
+        return FullLogits(torch.tensor(prompt + list(reply)), len(prompt), torch.cat(logits))
+    finally:
+        seq.release()
+
+
+def _greedy_reply(runner, seq, prompt, n_reply, stop_ids, snaps: Snapshots, state: Restored) -> list[int]:
+    """Greedy decode after the prefilled prompt (continuing a snapshot's reply); the stop token that
+    ends it is kept."""
+    reply = state.fed[len(prompt) :]
+    logits = state.last
+    bar = progress_bar(n_reply, "base reply", initial=len(reply))
+    try:
+        while True:
+            token = int(runner.ops.argmax(logits[None])[0])
+            reply.append(token)
+            bar.update(1)
+            if token in stop_ids or len(reply) >= n_reply:
+                return reply
+            logits = check_finite(runner.decode(seq, token)[None])[0]
+            if snaps.due():
+                snaps.save(runner, seq, prompt + reply, state.first, logits)
+    except KeyboardInterrupt:
+        if seq.length > len(state.fed):  # tokens fed since the restore: only fully fed ones are kept
+            snaps.save(runner, seq, prompt + reply[: seq.length - len(prompt)], state.first, logits)
+        raise
+    finally:
+        bar.close()
+
+
 def teacher_forced(
-    runner: ModelRunner, stream, decode_steps: int = 0, timings: list | None = None
+    runner: ModelRunner,
+    stream,
+    decode_steps: int = 0,
+    timings: list | None = None,
+    snaps: Snapshots | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Run ``stream`` through ``runner``; yield ``(i, logits)`` chunks of the scored positions.
 
@@ -94,23 +173,30 @@ def teacher_forced(
     or a stored base logits.
 
     Row ``j`` of a chunk starting at ``i`` holds float32 logits [vocab] predicting reply token
-    ``i + j``. The prompt prefill is timed; after the last chunk the sequence is cut back to the
-    prompt and ``decode_steps`` greedy decode steps are timed. The :class:`PassResult` is appended to
-    ``timings`` when the generator finishes.
+    ``i + j``. The prompt prefill is timed (resumed from ``snaps`` where a snapshot exists, and then
+    not timed); after the last chunk the sequence is cut back to the prompt and ``decode_steps``
+    greedy decode steps are timed. The :class:`PassResult` is appended to ``timings`` when the
+    generator finishes. Ctrl-C while scoring leaves a snapshot of the prefilled prompt.
     """
+    snaps = snaps or Snapshots(None)
     seq = runner.new_sequence()
     try:
         tokens = [int(t) for t in stream.tokens]
         prompt, reply = tokens[: stream.prompt_len], tokens[stream.prompt_len :]
         runner.synchronize()
         t0 = time.perf_counter()
-        first = runner.prefill(seq, prompt, progress="prefill")
+        state, resumed = prefill(runner, seq, prompt, snaps, "prefill")
         runner.synchronize()
-        prefill_s = time.perf_counter() - t0
-        yield 0, check_finite(first[None])
-        # the last reply token is never an input: nothing after it is scored
-        for pos, logits in runner.chunks(seq, reply[:-1], logits_from=stream.prompt_len, progress="score"):
-            yield pos - stream.prompt_len + 1, check_finite(logits)
+        prefill_s = None if resumed else time.perf_counter() - t0
+        yield 0, state.first[None]
+        try:
+            # the last reply token is never an input: nothing after it is scored
+            for pos, logits in runner.chunks(seq, reply[:-1], logits_from=stream.prompt_len, progress="score"):
+                yield pos - stream.prompt_len + 1, check_finite(logits)
+        except KeyboardInterrupt:
+            if not resumed:
+                snaps.save(runner, seq, prompt, state.first, state.first)
+            raise
         seq.truncate(stream.prompt_len)
         token = reply[0]
         runner.synchronize()
@@ -143,7 +229,9 @@ def warm_up(runner: ModelRunner, stream) -> None:
         seq.release()
 
 
-def score(runner: ModelRunner, base, decode_steps: int) -> tuple[dict, dict[str, torch.Tensor]]:
+def score(
+    runner: ModelRunner, base, decode_steps: int, snaps: Snapshots | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """Compare ``runner`` with a base on the base's token stream; return metrics and speed.
 
     ``base`` is an :class:`evals.base_logits.FullLogits` (exact KL) or a stored
@@ -155,7 +243,7 @@ def score(runner: ModelRunner, base, decode_steps: int) -> tuple[dict, dict[str,
     device); and the per-position arrays of :func:`evals.metrics.position_metrics` [n_scored].
     """
     acc, timings = MetricsAccumulator(), []
-    for i, logits in teacher_forced(runner, base, decode_steps, timings):
+    for i, logits in teacher_forced(runner, base, decode_steps, timings, snaps):
         acc.extend(base.position_metrics(i, logits))
     per_pos = acc.per_position()
     t = timings[0]
@@ -165,8 +253,8 @@ def score(runner: ModelRunner, base, decode_steps: int) -> tuple[dict, dict[str,
         # decode steps, whose rounding can flip a near-tie the prefill path resolves the other way
         greedy_agree_len=greedy_agreement_length(per_pos["argmax_cand"], per_pos["argmax_base"]),
         n_scored=len(base.tokens) - base.prompt_len,
-        prefill_ms=1e3 * t.prefill_s,
-        prefill_tok_s=base.prompt_len / t.prefill_s,
+        prefill_ms=float("nan") if t.prefill_s is None else 1e3 * t.prefill_s,
+        prefill_tok_s=float("nan") if t.prefill_s is None else base.prompt_len / t.prefill_s,
         decode_tok_s=t.decode_steps / t.decode_s if t.decode_steps else float("nan"),
         decode_ms_per_tok=1e3 * t.decode_s / t.decode_steps if t.decode_steps else float("nan"),
     )

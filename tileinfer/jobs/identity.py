@@ -32,6 +32,7 @@ SCORING = (
     "ctx_tokens",
     "prompt_set",
     "prompts_sha256",
+    "add_bos",
     "n_score",
     "base",
     "top_k",
@@ -50,6 +51,9 @@ DRIFT = CONFIG + SCORING
 
 # Columns renamed since rows were first written: old name -> new name (old rows still load).
 RENAMED = {"reference": "base", "ppl_ref": "ppl_base", "p_ref_mean": "p_base_mean"}
+# Identity columns added since: the value that means what rows written before them did (add_bos:
+# null, "not a setting", as for the built-in chat prompts; text files got no BOS then).
+ADDED = {"add_bos": None}
 
 
 def content_hash(value) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from evals import base_logits
 from evals.base_logits import FullLogits, TopKLogits
 from evals.prompts import PROMPT_SETS, build_prompt, build_text_prompt, load_text_prompts
 from quantize import QuantScheme, calibration_text
@@ -27,11 +29,12 @@ from tileinfer.core.checkpoint import Checkpoint, load_checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
-from tileinfer.core.fetch import pull
+from tileinfer.core.fetch import pull, pull_source
 from tileinfer.core.registry import check_checkpoint_config
 from tileinfer.core.tokenizer import Tokenizer
 from tileinfer.engine.runner import ModelRunner, uses_cuda_graph
 from tileinfer.jobs import drift, identity, tables
+from tileinfer.jobs.resume import Snapshots
 from tileinfer.jobs.schema import Config
 from tileinfer.models import Transformer
 
@@ -135,10 +138,14 @@ def load_model(cfg: Config, device: torch.device) -> Loaded:
                 random_state_dict(hf, int(rnd["seed"]), dtype, device),
             )
         else:
-            path = tok_path = pull(cfg.model.name)
+            path = tok_path = pull_source(cfg.model.name, cfg.model.source)
             ck = load_checkpoint(path, dtype=dtype)
-            if cfg.model.config is not None:
-                check_checkpoint_config(cfg.model.name, ck.config)
+            if ck.quantization is not None:  # its weights are int8 already: a bf16 row would mislabel them
+                raise UserError(
+                    f"{path} is a quantized checkpoint (written by python -m quantize); a sweep quantizes "
+                    "in memory: run it on the BF16 checkpoint with the quant config to evaluate"
+                )
+            check_checkpoint_config(cfg.model.name, ck.config, cfg.model.config)
         model = Transformer.from_state_dict(ck.config, ck.state_dict, dtype=dtype, device=device)
         _MODEL[key] = Loaded(ck, Tokenizer.load(tok_path), model, model_fingerprint(cfg, path), device)
     return _MODEL[key]
@@ -159,9 +166,21 @@ def model_for(loaded: Loaded, scheme: QuantScheme) -> tuple[Transformer, dict]:
     return _QUANTIZED[key]
 
 
+def add_bos(cfg: Config, tok: Tokenizer) -> bool:
+    """Whether text prompt files start with BOS: ``eval.add_bos``, or the tokenizer's ``add_bos_token``.
+
+    Raises:
+        UserError: BOS asked for but the tokenizer has no BOS token.
+    """
+    want = tok.add_bos_token if cfg.eval.add_bos is None else cfg.eval.add_bos
+    if want and tok.bos_token_id is None:
+        raise UserError("eval.add_bos=true but the tokenizer has no BOS token")
+    return bool(want)
+
+
 def prompt_sets(cfg: Config, tok: Tokenizer, ctx_tokens: int) -> dict[str, list[list[int]]]:
     """Prompts (token ids, each exactly ctx_tokens long) of every configured prompt set, by name (a
-    built-in set's, or a file's stem).
+    built-in set's, or a file's stem). Text files start with BOS when :func:`add_bos` says so.
 
     Raises:
         UserError: an unknown set, an unreadable file, or two sets of one name (rows, stored base
@@ -180,7 +199,8 @@ def prompt_sets(cfg: Config, tok: Tokenizer, ctx_tokens: int) -> dict[str, list[
                 "other prompts come from a .txt or .jsonl file"
             )
         else:
-            out[key] = [build_text_prompt(tok, t, ctx_tokens) for t in load_text_prompts(name)]
+            bos = [tok.bos_token_id] if add_bos(cfg, tok) else []
+            out[key] = [bos + build_text_prompt(tok, t, ctx_tokens - len(bos)) for t in load_text_prompts(name)]
     return out
 
 
@@ -233,14 +253,16 @@ class Job:
             cuda_graph=self.cfg.speed.cuda_graph,
         ), info
 
+    def stored_stream(self, prompt_set: str, i: int) -> str:
+        """What the stored base logits of prompt ``i`` of ``prompt_set`` hold (their file name without
+        the backend): base quant config, prompt, prompt length and scored positions."""
+        label = quant_label(self.base_quant_name, self.base_scheme)
+        return f"{label}-{prompt_set}{i}-ctx{self.ctx_tokens}-n{self.cfg.eval.n_score}"
+
     def stored_base_path(self, prompt_set: str, i: int) -> Path:
         """File of the stored base logits recorded for this job's base configuration."""
         c = self.cfg
-        name = (
-            f"{self.base_backend}-{quant_label(self.base_quant_name, self.base_scheme)}-{prompt_set}{i}"
-            f"-ctx{self.ctx_tokens}-n{c.eval.n_score}.topk"
-        )
-        return Path(c.base.dir) / c.model.name / name
+        return base_logits.stored_path(c.base.dir, c.model.name, self.base_backend, self.stored_stream(prompt_set, i))
 
     def identity(self, prompt_set: str) -> dict:
         """The identity columns of this job's row for ``prompt_set`` (tileinfer.jobs.identity)."""
@@ -263,6 +285,9 @@ class Job:
                 ctx_tokens=self.ctx_tokens,
                 prompt_set=prompt_set,
                 prompts_sha256=identity.content_hash(self.prompts[prompt_set]),
+                add_bos=None
+                if prompt_set in PROMPT_SETS and prompt_set in c.eval.prompt_sets
+                else add_bos(c, self.loaded.tokenizer),
                 n_score=c.eval.n_score,
                 base=self.base_label,
                 top_k=c.base.top_k if c.base.source == "stored" else None,
@@ -283,6 +308,10 @@ class Job:
         c = self.cfg
         label = f"{quant_label(c.quant.name, self.scheme)}-{c.ctx.name}-{key['prompt_set']}"
         return Path(c.runs_dir) / "rows" / c.model.name / c.backend.name / identity.row_file_name(key, label)
+
+    def snapshots(self, row: Path, i: int) -> Snapshots:
+        """Resume snapshots of the candidate's pass over prompt ``i`` of the row at ``row``."""
+        return Snapshots(Path(self.cfg.runs_dir) / "cache" / "resume" / f"{row.stem}-{i}.pt", self.cfg.snapshot_s)
 
     def base_logits(self, prompt_set: str, base_runner: ModelRunner | None) -> list:
         """The base logits of a prompt set's prompts: stored top-k files, or computed live."""
@@ -332,12 +361,13 @@ class Job:
         for i, prompt in enumerate(self.prompts[prompt_set]):
             f = cache / f"{prompt_set}{i}-ctx{self.ctx_tokens}-n{c.eval.n_score}.json"
             stream = drift.load_stream(f, prompt, c.eval.n_score)
-            fresh = stream is None
-            if fresh:
-                stream = drift.base_stream(base_runner, prompt, c.eval.n_score, stop)
-            base.append(drift.full_logits(base_runner, stream))
-            if fresh:
-                drift.save_stream(stream, c.eval.n_score, f)  # only now: its logits are finite
+            snaps = Snapshots(f.with_name(f"{f.stem}-c{c.kv.prefill_chunk}.resume.pt"), c.snapshot_s)
+            reply = None if stream is None else list(stream.reply)
+            logits = drift.base_pass(base_runner, list(prompt), c.eval.n_score, stop, snaps, reply)
+            if stream is None:  # only now: its logits are finite
+                stream = drift.Stream(tuple(int(t) for t in logits.tokens), logits.prompt_len)
+                drift.save_stream(stream, c.eval.n_score, f)
+            base.append(logits)
         _BASE_LOGITS[key] = base
         while (
             len(_BASE_LOGITS) > 1
@@ -361,14 +391,19 @@ def resolve(cfg: Config) -> Job:
     device = resolve_device(cfg.device, cfg.backend.name)
     cfg = replace(cfg, backend=replace(cfg.backend, name=resolve_backend(cfg.backend.name, device)))
     base_backend = cfg.base.backend or cfg.backend.name
-    resolve_device(cfg.device, base_backend)
+    if cfg.base.source == "live":  # a stored base runs nothing here
+        resolve_device(cfg.device, base_backend)
     scheme = cfg.quant.scheme()
     base_scheme = scheme if cfg.base.quant == "same" else QuantScheme("bf16", "bf16").effective()
     loaded = load_model(cfg, device)
     ctx_tokens = fit_ctx(cfg, loaded.checkpoint.config.max_position_embeddings)
-    return Job(
+    job = Job(
         cfg, loaded, scheme, base_backend, base_scheme, ctx_tokens, prompt_sets(cfg, loaded.tokenizer, ctx_tokens)
     )
+    if cfg.base.source == "stored":  # portable: whichever backend recorded them (the reference backend first)
+        streams = [job.stored_stream(s, i) for s, ps in job.prompts.items() for i in range(len(ps))]
+        job.base_backend = base_logits.stored_backend(cfg.base.dir, cfg.model.name, streams, cfg.base.backend)
+    return job
 
 
 def run(cfg: Config, force: bool = False) -> list[Path]:
@@ -392,7 +427,8 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         ops.reset_fallbacks()
-        results = [drift.score(cand_runner, b, cfg.speed.decode_tokens) for b in base]
+        snaps = [job.snapshots(path, i) for i in range(len(base))]
+        results = [drift.score(cand_runner, b, cfg.speed.decode_tokens, s) for b, s in zip(base, snaps, strict=True)]
         row = tables.make_row(
             keys[set_name],
             results,
@@ -402,6 +438,15 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
             wall_s=time.perf_counter() - t0,
             kl_estimate="exact" if isinstance(base[0], FullLogits) else f"topk{base[0].k}+tail",
             fallbacks=ops.fallbacks(),
+            replies=[b.tokens[b.prompt_len :].tolist() for b in base],
         )
         tables.write_row(path, row, {k: torch.cat([r[1][k] for r in results]) for k in ("kl", "top1_agree", "dp")})
+        if row["degenerate"]:
+            print(
+                f"warning: {set_name}: {row['reply_repeat_frac']:.0%} of the base reply repeats its own 4-grams "
+                "(a loop): the scored window is trivially predictable and its KL understates the drift",
+                file=sys.stderr,
+            )
+        for s in snaps:
+            s.clear()
     return list(todo.values())

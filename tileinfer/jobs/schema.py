@@ -12,9 +12,12 @@ Ranges live in field metadata (``lo``/``hi``/``choices``) so the rule sits next 
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import sys
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -35,11 +38,31 @@ def _choice(default, *choices):
 
 @dataclass
 class ModelGroup:
-    """``conf/model/NAME.yaml``: see tileinfer.core.registry."""
+    """``conf/model/NAME.yaml`` (see tileinfer.core.registry), or a local checkpoint: ``model.path``.
+
+    ``model.path=FILE_OR_FOLDER`` runs a local ``.gguf`` file or transformers folder in place of the
+    group's model: the name becomes the path's stem and the group's source and config are dropped
+    (they describe another checkpoint).
+    """
 
     name: str = MISSING
     source: dict[str, Any] = MISSING
     config: Optional[dict[str, Any]] = None  # config.json fields; checked against the checkpoint
+    path: Optional[str] = None  # a local checkpoint instead of the group's source
+
+    def __post_init__(self):
+        if self.path is not None:
+            path = Path(self.path).expanduser()
+            self.name = path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name
+            self.source, self.config = {"path": str(path)}, None
+        elif "/" in self.name or self.name.endswith(".gguf"):  # rows and caches are named by it
+            raise UserError(f"model.name={self.name}: a local checkpoint is given as model.path={self.name}")
+        sources = [k for k in ("pypi", "path", "hf_repo") if k in self.source]
+        if len(sources) > 1:  # e.g. +model.source.path=... on a registry model
+            raise UserError(
+                f"model {self.name} has {len(sources)} sources ({', '.join(sources)}); "
+                "a local checkpoint is given as model.path=FILE"
+            )
 
 
 @dataclass
@@ -66,12 +89,25 @@ class QuantGroup:
         ).effective()
 
 
+def ctx_label(tokens: int) -> str:
+    """``1k`` for 1024 tokens, ``2k`` for 2048, ``3000`` for 3000: the ctx of rows and file names."""
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
 @dataclass
 class CtxGroup:
-    """``conf/ctx/NAME.yaml``: positions before the scored window."""
+    """``conf/ctx/NAME.yaml``: positions before the scored window. ``name`` is derived from ``tokens``
+    (``ctx.tokens=2048`` is ``2k``), so a row can never carry another length's label."""
 
-    name: str = MISSING
     tokens: int = _num(MISSING, 1)
+    name: Optional[str] = None  # derived; giving another value is an error
+
+    def __post_init__(self):
+        check_number("ctx.tokens", self.tokens, int, lo=1)
+        label = ctx_label(self.tokens)
+        if self.name not in (None, label):
+            raise UserError(f"ctx.name={self.name}: the name follows ctx.tokens ({self.tokens} tokens is {label})")
+        self.name = label
 
 
 @dataclass
@@ -92,6 +128,9 @@ class SpecGroup:
 class EvalGroup:
     prompt_sets: list[str] = field(default_factory=lambda: ["edit", "explain"])  # built-in names or file paths
     n_score: int = _num(1024, 1)  # scored positions: the base model's greedy reply after the prompt
+    # BOS before a text prompt file's tokens (llama.cpp's perplexity/KL does); null: the tokenizer's
+    # add_bos_token. The built-in chat prompts follow their chat template instead.
+    add_bos: Optional[bool] = None
 
 
 @dataclass
@@ -155,6 +194,9 @@ class Config:
     spec: SpecGroup = field(default_factory=SpecGroup)
     eval: EvalGroup = field(default_factory=EvalGroup)
     runs_dir: str = "runs"  # rows, caches and logs go here (relative to the current directory)
+    # seconds of unsaved work after which a long pass (a 32k prefill on the CPU) saves a resume
+    # snapshot of its KV cache under runs_dir/cache (also saved on Ctrl-C); 0: on Ctrl-C only
+    snapshot_s: float = _num(300.0, 0.0)
     device: str = _choice("auto", "auto", "cpu", "cuda")  # auto: cuda when available
     dtype: str = _choice("bfloat16", "bfloat16", "float16", "float32")  # model dtype of the BF16 configuration
     kv: KVSettings = field(default_factory=KVSettings)
@@ -213,15 +255,80 @@ def unknown_keys(node: DictConfig, schema_type: type, prefix: str = "") -> list[
 RENAMED_SETTINGS = {"reference": "base"}
 
 
-def check_renamed(prog: str, argv: list[str], exit_code: int = 1) -> None:
-    """Exit with one line when the command line uses a renamed setting (``reference.source=...``):
-    Hydra would answer with several lines that do not name the new one."""
+def check_argv(prog: str, argv: list[str], exit_code: int = 1) -> None:
+    """Exit with one line for a command-line mistake Hydra would answer with several lines that do
+    not say what to write: a renamed setting (``reference.source=...``) or a checkpoint path given as
+    ``model=PATH`` (the model group takes names; a local checkpoint is ``model.path=PATH``)."""
     for arg in argv:
-        group = arg.lstrip("+~").split("=", 1)[0].split(".", 1)[0]
+        key, _, value = arg.lstrip("+~").partition("=")
+        group = key.split(".", 1)[0]
         if group in RENAMED_SETTINGS and "=" in arg:
             new = arg.lstrip("+~").replace(group, RENAMED_SETTINGS[group], 1)
             print(f"{prog}: error: {group}.* is now {RENAMED_SETTINGS[group]}.*: write {new}", file=sys.stderr)
             sys.exit(exit_code)
+        if key == "model" and ("/" in value or value.endswith(".gguf") or Path(value).expanduser().exists()):
+            print(f"{prog}: error: model={value}: a local checkpoint is given as model.path={value}", file=sys.stderr)
+            sys.exit(exit_code)
+
+
+# Hydra flags that print something instead of running a job (--cfg job, --info, --help, ...).
+_NO_JOB = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help", "--shell-completion", "-sc", "--version"}
+
+
+def check_jobs(prog: str, argv: list[str], config_name: str = "config", exit_code: int = 1) -> int:
+    """Compose and check every job of the command line before any runs; return how many there are.
+
+    A multirun (``-m a=1,2 b=x,y``) is expanded the way Hydra's basic sweeper expands it, and each
+    job's configuration is composed and :func:`load`-ed, so a bad value in the last job is refused
+    before the first one computes anything, and before Hydra makes a log folder. Any failure exits
+    with one line (Hydra's own composition errors run to several). Settings under ``hydra.`` and
+    runs with ``--config-dir``/``-cd`` (another search path) are left to Hydra.
+    """
+    from hydra import compose, initialize_config_module
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    flags = [a.split("=", 1)[0] for a in argv if a.startswith("-")]
+    if set(flags) & {"--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn"} or set(flags) & _NO_JOB:
+        return 1
+    # a flag's value (--package P, --experimental-rerun F) is not an override
+    valued = {i + 1 for i, a in enumerate(argv) if a in ("--package", "-p", "--experimental-rerun")}
+    overrides = [
+        a
+        for i, a in enumerate(argv)
+        if i not in valued and not a.startswith("-") and not a.lstrip("+~").startswith("hydra")
+    ]
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        choices = [
+            [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+            if multirun and o.is_sweep_override()
+            else [o.input_line]
+            for o in parsed
+        ]
+        jobs = list(itertools.product(*choices))
+        with initialize_config_module("tileinfer.conf", version_base="1.3"):
+            for job in jobs:
+                load(compose(config_name, list(job)))
+    except UserError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(exit_code)
+    except Exception as e:  # noqa: BLE001 - Hydra's parse/composition/type errors, in one line
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        sys.exit(exit_code)
+    return len(jobs)
+
+
+def _one_line(e: Exception) -> str:
+    """A Hydra error in one line: its first line, the cause's first line (the type error behind
+    "Error merging override"), and the options of a missing config group option."""
+    first = lambda x: next((ln.strip() for ln in str(x).splitlines() if ln.strip()), type(x).__name__)  # noqa: E731
+    parts = [first(e)]
+    if e.__cause__ is not None:
+        parts.append(first(e.__cause__))
+    if getattr(e, "options", None):
+        parts.append(f"available: {', '.join(e.options)}")
+    return ": ".join(parts)
 
 
 def load(cfg: DictConfig) -> Config:
@@ -241,6 +348,9 @@ def load(cfg: DictConfig) -> Config:
 
 
 def register() -> None:
-    """Register the schema with Hydra (conf/config.yaml lists ``schema`` first in its defaults)."""
+    """Register the schema with Hydra (conf/config.yaml lists ``schema`` first in its defaults), and
+    the ``${pid:}`` resolver: log folders carry the process id, so two commands started in the same
+    second never share a folder (and a multirun's summary never mixes another run's jobs)."""
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
+    OmegaConf.register_new_resolver("pid", os.getpid, replace=True)

@@ -7,6 +7,7 @@ gathers every row under a folder into one table, printed and saved as Parquet an
 
 from __future__ import annotations
 
+import io
 import os
 import platform
 import subprocess
@@ -17,8 +18,9 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from evals.metrics import summarize
-from tileinfer.jobs.identity import RENAMED
+from evals.metrics import DEGENERATE_REPEAT, repeated_ngram_fraction, summarize
+from tileinfer.core import files
+from tileinfer.jobs.identity import ADDED, IDENTITY, RENAMED
 
 # Columns shown when a table is printed (all columns are saved).
 SHOWN = [
@@ -70,6 +72,7 @@ def make_row(
     wall_s: float,
     kl_estimate: str,
     fallbacks: list[str],
+    replies: list[list[int]],
 ) -> dict:
     """One table row from the :func:`tileinfer.jobs.drift.score` results of a prompt set's prompts.
 
@@ -81,6 +84,11 @@ def make_row(
         wall_s: seconds the prompt set took.
         kl_estimate: ``exact``, or ``topkK+tail`` against stored base logits.
         fallbacks: the ops that ran on another backend than asked (tileinfer.ops.fallbacks()).
+        replies: the scored reply (token ids) of each prompt: ``reply_repeat_frac`` is the share of
+            their tokens that complete a 4-gram seen earlier in the same reply
+            (:func:`evals.metrics.repeated_ngram_fraction`), and ``degenerate`` flags a window above
+            :data:`evals.metrics.DEGENERATE_REPEAT` (a reply stuck in a loop is trivially
+            predictable, so its KL understates the drift on real text).
 
     Statistics are taken over the positions of all prompts together; speeds are means over prompts.
     """
@@ -92,10 +100,13 @@ def make_row(
         for k in ("prefill_ms", "prefill_tok_s", "decode_tok_s", "decode_ms_per_tok"):
             stats[k] = sum(r[0][k] for r in results) / len(results)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    repeat = sum(repeated_ngram_fraction(r) * len(r) for r in replies) / max(1, sum(map(len, replies)))
     return {
         **key,
         "n_prompts": len(results),
         **stats,
+        "reply_repeat_frac": repeat,
+        "degenerate": repeat > DEGENERATE_REPEAT,
         "weights_bytes": weights_bytes,
         "kv_cache_bytes": kv_bytes,
         "peak_mem_bytes": peak,
@@ -109,15 +120,21 @@ def make_row(
 
 
 def upgrade(df: pl.DataFrame) -> pl.DataFrame:
-    """Rows written under older column names, renamed to today's (tileinfer.jobs.identity.RENAMED)."""
-    return df.rename({old: new for old, new in RENAMED.items() if old in df.columns and new not in df.columns})
+    """Rows written under older column names, renamed to today's (tileinfer.jobs.identity.RENAMED),
+    with identity columns added since (:data:`tileinfer.jobs.identity.ADDED`) at their old meaning."""
+    df = df.rename({old: new for old, new in RENAMED.items() if old in df.columns and new not in df.columns})
+    return df.with_columns(pl.lit(v).alias(c) for c, v in ADDED.items() if c not in df.columns)
 
 
 def atomic_parquet(df: pl.DataFrame, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    df.write_parquet(tmp)
-    os.replace(tmp, path)
+    """Write ``df`` to ``path`` atomically; an OS failure (full disk, read-only) is a one-line UserError.
+
+    The table is serialized in memory first: polars' own file writer reports a full disk as a
+    parquet format error ("Invalid thrift") and leaves its partial file behind.
+    """
+    buf = io.BytesIO()
+    df.write_parquet(buf)
+    files.write_bytes(path, buf.getvalue())
 
 
 def write_row(path: Path, row: dict, per_position: dict[str, torch.Tensor]) -> None:
@@ -166,14 +183,42 @@ def collect(runs_dir: Path) -> pl.DataFrame:
     return pl.concat(frames, how="diagonal_relaxed").drop("row_file")
 
 
-def _fmt(df: pl.DataFrame) -> pl.DataFrame:
-    """The shown columns, sorted, as text: KL in scientific notation (values span 1e-7..1), top-1
-    agreement in percent, speeds to one decimal."""
-    cols = [c for c in SHOWN if c in df.columns]
-    df = df.select(cols).sort([c for c in ("model", "ctx", "prompt_set", "quant") if c in cols])
+def sweep_rows(runs_dir: Path) -> tuple[pl.DataFrame, Path, int]:
+    """The sweep rows of a runs folder, for summaries and reports.
+
+    Only the rows under ``runs_dir/rows`` (or ``runs_dir`` itself when it is such a ``rows`` folder)
+    are read: the gate scores afresh into folders of its own (``runs/gate/*/rows``), whose rows
+    would repeat the sweep's. Rows of one identity (tileinfer.jobs.identity.IDENTITY, over the
+    columns present) are kept once, the newest ``finished_at``.
+
+    Returns:
+        The rows (each with its file in a column ``row_file``; empty when there are none), the
+        folder read and how many duplicate rows were dropped.
+    """
+    runs_dir = Path(runs_dir)
+    rows_dir = runs_dir if runs_dir.name == "rows" and not (runs_dir / "rows").is_dir() else runs_dir / "rows"
+    frames = read_row_files(row_files(rows_dir)) if rows_dir.is_dir() else []
+    if not frames:
+        return pl.DataFrame(), rows_dir, 0
+    df = pl.concat(frames, how="diagonal_relaxed")
+    key = [c for c in IDENTITY if c in df.columns]
+    if not key:  # no row of a sweep: nothing to match duplicates on
+        return df, rows_dir, 0
+    if "finished_at" in df.columns:
+        df = df.sort("finished_at", nulls_last=False)
+    newest = df.unique(subset=key, keep="last", maintain_order=True)
+    return newest, rows_dir, len(df) - len(newest)
+
+
+def _fmt(df: pl.DataFrame, shown=SHOWN) -> pl.DataFrame:
+    """The ``shown`` columns, sorted, as text: KL in scientific notation (values span 1e-7..1), top-1
+    agreement in percent, speeds to one decimal, greedy agreement lengths as counts."""
+    cols = [c for c in shown if c in df.columns]
+    df = df.sort([c for c in ("model", "ctx_tokens", "ctx", "prompt_set", "quant") if c in df.columns]).select(cols)
     text = {c: (lambda v: f"{v:.2e}") for c in cols if c.startswith("kl_")}
     text |= {
         "top1_agree": lambda v: f"{100 * v:.2f}%",
+        "greedy_agree_len": lambda v: f"{v:g}",
         "prefill_tok_s": lambda v: f"{v:.1f}",
         "decode_tok_s": lambda v: f"{v:.1f}",
     }
@@ -193,23 +238,90 @@ def to_markdown(df: pl.DataFrame) -> str:
         return str(_fmt(df))
 
 
-def print_table(df: pl.DataFrame) -> None:
-    """Print the shown columns of ``df`` (see :func:`_fmt`)."""
+# A printed table: these identity columns where they vary (else once, in a line above it)...
+PRINTED_IDENTITY = ["model", "quant", "ctx", "prompt_set", "backend", "base", "device"]
+# ...then these (every column is in the saved summary), and the repetition of the scored reply.
+PRINTED = ["kl_mean", "kl_p99", "top1_agree", "greedy_agree_len", "decode_tok_s"]
+PRINT_WIDTH = 120
+
+
+def degenerate_note(df: pl.DataFrame) -> str | None:
+    """The warning that names the rows whose scored window is degenerate (``degenerate`` true: more of
+    the scored reply than :data:`evals.metrics.DEGENERATE_REPEAT` continues a 4-gram seen earlier, so
+    it is trivially predictable and its KL understates the drift), or None. Rows without the column
+    (written before it existed) are unknown, not degenerate."""
+    if "degenerate" not in df.columns:
+        return None
+    bad = _quant_label(df).filter(pl.col("degenerate").cast(pl.Boolean).fill_null(False))
+    if bad.is_empty():
+        return None
+    key = [c for c in ("model", "quant", "ctx", "prompt_set", "backend") if c in bad.columns]
+    names = ["/".join(map(str, r)) for r in bad.select(key).iter_rows()]
+    return (
+        f"{len(bad)} row(s) scored a degenerate window (over {DEGENERATE_REPEAT:.0%} of the reply repeats an "
+        f"earlier 4-gram, so their KL understates the drift): {', '.join(names)}"
+    )
+
+
+def _quant_label(df: pl.DataFrame) -> pl.DataFrame:
+    """``df`` with ``quant`` naming its key smoothing (``int8_kv+smooth``), as printed."""
+    if "smooth_keys" not in df.columns:
+        return df
+    smooth = pl.col("smooth_keys").cast(pl.Boolean).fill_null(False)
+    return df.with_columns(quant=pl.when(smooth).then(pl.col("quant") + "+smooth").otherwise(pl.col("quant")))
+
+
+def _repeat(frac, degenerate) -> str:
+    """The ``repeat`` cell: the share of the scored reply that repeats an earlier 4-gram, ``!`` when the
+    window is degenerate, ``?`` when unknown (a row written before the measure existed)."""
+    if degenerate is None:
+        return "?"
+    return (f"{100 * frac:.0f}%" if frac is not None else "") + (" !" if degenerate else "")
+
+
+def _printed(df: pl.DataFrame) -> tuple[str, pl.DataFrame]:
+    """The line of identity columns that hold one value (``model=... backend=...``) and the table of
+    the ones that vary beside :data:`PRINTED` (quant names its key smoothing: ``int8_kv+smooth``)."""
+    df = _quant_label(df)
+    ident = [c for c in PRINTED_IDENTITY if c in df.columns]
+    constant = [c for c in ident if df[c].n_unique() == 1]
+    shown = [c for c in ident if c not in constant] + PRINTED
+    if {"degenerate", "reply_repeat_frac"} & set(df.columns):
+        cols = [(pl.col(c) if c in df.columns else pl.lit(None)).alias(c) for c in ("reply_repeat_frac", "degenerate")]
+        df = df.with_columns(repeat=pl.Series([_repeat(f, d) for f, d in df.select(cols).iter_rows()], dtype=pl.String))
+        shown.append("repeat")
+    return " ".join(f"{c}={df[c][0]}" for c in constant), _fmt(df, shown)
+
+
+def print_table(df: pl.DataFrame, where=None) -> None:
+    """Print ``df`` in about :data:`PRINT_WIDTH` characters: a line of the identity columns that hold
+    one value (``model=... backend=... device=...``), a table of those that vary beside mean and 99%
+    KL, top-1 agreement, greedy agreement length, decode speed and (rows that measured it) the
+    repetition of the scored reply, a warning naming degenerate windows (:func:`degenerate_note`),
+    and where the rows are.
+
+    Args:
+        df: rows (:func:`make_row`).
+        where: the folder of the rows, or their files (their common folder is named); None: not said.
+    """
+    head, table = _printed(df)
     with pl.Config(
         tbl_rows=-1,
         tbl_cols=-1,
         tbl_hide_dataframe_shape=True,
         tbl_hide_column_data_types=True,
-        tbl_width_chars=250,
+        tbl_width_chars=PRINT_WIDTH,
         fmt_str_lengths=40,
     ):
-        print(_fmt(df))
+        note = degenerate_note(df)
+        print("\n".join(line for line in (head, str(table), note and f"warning: {note}") if line))
+    if where is not None:
+        folders = [where] if isinstance(where, (str, Path)) else [Path(p).parent for p in where]
+        print(f"{len(df)} row(s) in {os.path.commonpath(folders)}")
 
 
 def write_summary(df: pl.DataFrame, out_dir: Path) -> None:
     """Save ``df`` as ``summary.parquet`` and ``summary.md`` in ``out_dir`` (atomically)."""
     out_dir = Path(out_dir)
     atomic_parquet(df, out_dir / "summary.parquet")
-    tmp = out_dir / f".summary.md.tmp{os.getpid()}"
-    tmp.write_text(to_markdown(df) + "\n")
-    os.replace(tmp, out_dir / "summary.md")
+    files.write_text(out_dir / "summary.md", to_markdown(df) + "\n")
