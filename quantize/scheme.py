@@ -147,7 +147,7 @@ def apply(
 
     Raises:
         UserError: the source is already int8; smoothing without a tokenizer; an unreadable or
-            empty calibration text; a tensor missing.
+            empty calibration text, or one shorter than ``calibration_tokens``; a tensor missing.
     """
     if isinstance(source, Checkpoint):
         config = config or source.config
@@ -163,6 +163,11 @@ def apply(
         if tokenizer is None:
             raise UserError("key smoothing needs a tokenizer to encode the calibration text")
         ids = list(tokenizer.encode(calibration_text(spec.calibration), add_special_tokens=False))
+        if len(ids) < spec.calibration_tokens:  # rows record the setting: it must be what ran
+            raise UserError(
+                f"the calibration text {spec.calibration or '(built-in)'} is only {len(ids)} tokens, fewer than "
+                f"calibration_tokens={spec.calibration_tokens}: use a longer text or fewer tokens"
+            )
         ids = ids[: spec.calibration_tokens]
         start = time.perf_counter()
         scales = smoothing_scales(key_absmax(sd, config, ids, device=device, progress=progress), spec.smooth_alpha)

@@ -17,6 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from evals import base_logits
+from tests.test_gate import row as gate_row
 from tileinfer import gate
 from tileinfer.jobs import tables
 from tileinfer.jobs.schema import BaseSettings
@@ -103,35 +104,7 @@ def test_the_default_baseline_is_the_shipped_table():
 
 def row(**kw):
     """A candidate row of smollm2 INT8 (weights and KV cache) against the stored BF16 base logits."""
-    base = dict(
-        model="smollm2-135m",
-        model_sha256="s",
-        quant="int8_both",
-        weights="int8",
-        kv_cache="int8",
-        smooth_keys=True,
-        smooth_alpha=0.5,
-        calibration_tokens=2048,
-        calibration_sha256="c",
-        dtype="bfloat16",
-        backend="reference",
-        spec="none",
-        ctx="1k",
-        ctx_tokens=1024,
-        prompt_set="edit",
-        prompts_sha256="p",
-        add_bos=None,
-        n_score=128,
-        base="stored:reference/bf16-nosmooth",
-        top_k=64,
-        page_size=64,
-        prefill_chunk=512,
-        kl_mean=3.8e-3,
-        kl_p999=3.7e-2,
-        top1_agree=0.96875,
-        kernel=False,
-    )
-    return base | kw
+    return gate_row(**({"model": "smollm2-135m", "top1_agree": 0.96875} | kw))
 
 
 def baseline_of(*rows):

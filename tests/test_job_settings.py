@@ -66,18 +66,18 @@ def test_model_equals_a_path_says_what_to_write(tmp_path):
     ]
 
 
+# one short BF16 job: a ctx the edit prompt fits in, a few scored positions
+TINY_JOB = ["quant=bf16", "ctx.tokens=1000", "eval.n_score=8", "eval.prompt_sets=[edit]", "speed.decode_tokens=2"]
+TINY_JOB += ["speed.warmup=false"]
+
+
 def test_a_local_model_runs_under_its_own_name(tmp_path, smollm2_gguf):
     local = tmp_path / "mine.gguf"
     shutil.copy(smollm2_gguf, local)
     out = run(
         "tileinfer.sweep",
         f"model.path={local}",
-        "quant=bf16",
-        "ctx.tokens=1000",
-        "eval.n_score=8",
-        "eval.prompt_sets=[edit]",
-        "speed.decode_tokens=2",
-        "speed.warmup=false",
+        *TINY_JOB,
         f"runs_dir={tmp_path}/runs",
     )
     assert out.returncode == 0, out.stderr
@@ -94,12 +94,7 @@ def test_a_model_of_ones_own_config_dir_runs(tmp_path, smollm2_gguf):
         "--config-dir",
         str(tmp_path / "myconf"),
         "model=mine",
-        "quant=bf16",
-        "ctx.tokens=1000",
-        "eval.n_score=8",
-        "eval.prompt_sets=[edit]",
-        "speed.decode_tokens=2",
-        "speed.warmup=false",
+        *TINY_JOB,
         f"runs_dir={tmp_path}/runs",
     )
     assert out.returncode == 0, out.stderr
@@ -190,3 +185,20 @@ def test_progress_in_a_log_file_is_lines_not_frames(monkeypatch):
     assert "\r" not in text
     lines = text.splitlines()
     assert 1 <= len(lines) <= 3 and lines[-1].startswith("prefill: 100%")
+
+
+def test_a_calibration_text_shorter_than_calibration_tokens_is_refused(tmp_path):
+    make_tiny("llama", tmp_path / "bf16")
+    ck = load_checkpoint(tmp_path / "bf16", dtype=torch.float32)
+    text = tmp_path / "calib.txt"
+    text.write_text("a short calibration text")
+
+    class Chars:  # one token per character
+        def encode(self, s, add_special_tokens=False):
+            return [ord(c) % 96 for c in s]
+
+    scheme = QuantScheme("bf16", "int8", calibration=str(text), calibration_tokens=100)
+    with pytest.raises(UserError, match="is only 24 tokens, fewer than calibration_tokens=100"):
+        apply(ck, None, scheme, Chars())
+    _, info = apply(ck, None, QuantScheme("bf16", "int8", calibration=str(text), calibration_tokens=24), Chars())
+    assert info["calibration_tokens"] == 24

@@ -6,6 +6,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -16,14 +18,20 @@ def test_every_conf_group_is_packaged():
     assert groups <= set(setuptools["package-data"])
 
 
-def test_installed_copy_composes_its_config_from_another_folder(tmp_path):
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """A non-editable install of the checkout into a folder of its own (no dependencies)."""
+    site = tmp_path_factory.mktemp("site")
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(REPO)],
         check=True,
         capture_output=True,
         timeout=300,
     )
+    return site
+
+
+def test_installed_copy_composes_its_config_from_another_folder(tmp_path, site):
     env = dict(os.environ, PYTHONPATH=str(site))
     where = subprocess.run(
         [sys.executable, "-c", "import tileinfer.conf; print(tileinfer.conf.__file__)"],
@@ -46,14 +54,7 @@ def test_installed_copy_composes_its_config_from_another_folder(tmp_path):
     assert "kv_cache: int8" in out.stdout and "name: qwen2.5-coder-0.5b" in out.stdout
 
 
-def test_installed_copy_ships_the_gates_stored_base_logits_and_baselines(tmp_path):
-    site = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(REPO)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+def test_installed_copy_ships_the_gates_stored_base_logits_and_baselines(tmp_path, site):
     shipped = [
         p.relative_to(REPO)
         for d in ("base_logits", "baselines")

@@ -4,6 +4,7 @@ gives the same numbers as one that was never stopped."""
 import pytest
 import torch
 
+from tests.test_drift import TINY as DRIFT_TINY
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.engine.generation import generate
@@ -12,19 +13,7 @@ from tileinfer.jobs import drift
 from tileinfer.jobs.resume import Snapshots
 from tileinfer.models import Transformer
 
-TINY = dict(
-    model_type="llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    rope_theta=1e4,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-)
+TINY = {**DRIFT_TINY, "max_position_embeddings": 512}
 PROMPT = [int(t) for t in torch.randint(1, 256, (150,), generator=torch.Generator().manual_seed(1))]
 N_REPLY = 40
 
