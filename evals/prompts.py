@@ -187,6 +187,8 @@ def load_text_prompts(path: str | os.PathLike) -> list[str]:
             non-string value, or no texts at all.
     """
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"prompt file {str(p)!r} is a folder, not a .txt or .jsonl file")
     if not p.is_file():
         raise UserError(f"prompt file {str(p)!r} does not exist")
     suffix = p.suffix.lower()

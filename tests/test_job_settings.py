@@ -202,3 +202,41 @@ def test_a_calibration_text_shorter_than_calibration_tokens_is_refused(tmp_path)
         apply(ck, None, scheme, Chars())
     _, info = apply(ck, None, QuantScheme("bf16", "int8", calibration=str(text), calibration_tokens=24), Chars())
     assert info["calibration_tokens"] == 24
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["quant=bf16", "quant.name=int8_both"], "quant=int8_both means weights=int8 kv_cache=int8"),
+        (["quant=bf16", "quant.weights=int8"], "use quant=int8_weights"),
+        (["quant=int8_both", "quant.kv_cache=bf16"], "use quant=int8_weights"),
+    ],
+)
+def test_a_quant_name_must_say_what_the_weights_and_cache_are(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load(*overrides)
+
+
+def test_a_prompt_file_named_like_a_built_in_set_is_refused(tmp_path, smollm2_tok):
+    f = tmp_path / "edit.txt"
+    f.write_text(TEXT.read_text())
+    with pytest.raises(UserError, match="name of the built-in prompt set 'edit'"):
+        job.prompt_sets(load(f"eval.prompt_sets=[{f}]"), smollm2_tok, 64)
+
+
+def test_add_bos_without_a_prompt_file_is_refused(smollm2_tok):
+    with pytest.raises(UserError, match="eval.add_bos=true applies to prompt files"):
+        job.prompt_sets(load("eval.add_bos=true"), smollm2_tok, 64)
+
+
+def test_a_local_model_edited_in_place_is_another_model(tmp_path):
+    """Same size, same time stamps, other bytes: another fingerprint (the row identity's model_sha256)."""
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"a" * 4096)
+    cfg = load(f"model.path={f}")
+    before, stat = job.model_fingerprint(cfg, f), f.stat()
+    f.write_bytes(b"a" * 4095 + b"b")
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert job.model_fingerprint(cfg, f) != before
+    f.write_bytes(b"a" * 4096)
+    assert job.model_fingerprint(cfg, f) == before

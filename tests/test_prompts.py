@@ -193,3 +193,9 @@ def test_bundled_data():
     eval_lines = {ln.strip() for ln in eval_text.splitlines() if len(ln.strip()) > 30}
     calib_lines = {ln.strip() for ln in calib.splitlines() if len(ln.strip()) > 30}
     assert len(calib_lines) > 200 and not (eval_lines & calib_lines)
+
+
+def test_a_folder_given_as_prompt_file_says_so(tmp_path):
+    (tmp_path / "dir.txt").mkdir()
+    with pytest.raises(UserError, match="is a folder"):
+        load_text_prompts(tmp_path / "dir.txt")

@@ -1,6 +1,7 @@
 """tileinfer.core.fetch and tileinfer.pull: registry names, cache verification and the command line."""
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -47,9 +48,8 @@ def test_missing_path_and_non_checkpoint_folder(tmp_path):
 
 def test_existing_paths_resolve_to_themselves(tmp_path, smollm2_gguf):
     assert pullmod.pull(smollm2_gguf) == smollm2_gguf.resolve()
-    (tmp_path / "config.json").write_text("{}")
-    save_file({"w": torch.ones(4, 4)}, tmp_path / "model.safetensors")
-    assert pullmod.pull(tmp_path) == tmp_path.resolve()
+    folder = tiny_folder(tmp_path / "m", sharded=False)
+    assert pullmod.pull(folder) == folder.resolve()
 
 
 @pytest.mark.parametrize("cut", [100, 3_000_000, 50_000_000])  # in the header, in the tensor data
@@ -179,3 +179,40 @@ def test_cli_unknown_name_exits_1_with_one_line(tmp_path):
     r = _cli("nope", home=tmp_path)
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.strip().count("\n") == 0 and "unknown model 'nope'" in r.stderr
+
+
+def tiny_folder(folder: Path, sharded: bool) -> Path:
+    """A complete tiny llama checkpoint folder, in one file or two shards with an index."""
+    from tests.tiny_models import make_tiny
+
+    make_tiny("llama", folder)
+    if sharded:
+        from safetensors.torch import load_file
+
+        sd = load_file(folder / "model.safetensors")
+        (folder / "model.safetensors").unlink()
+        names = sorted(sd)
+        half = {
+            n: ("model-00001-of-00002.safetensors" if i % 2 else "model-00002-of-00002.safetensors")
+            for i, n in enumerate(names)
+        }
+        for shard in set(half.values()):
+            save_file({n: sd[n].contiguous() for n in names if half[n] == shard}, folder / shard)
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": half}))
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["none", "missing shard", "no index and a shard gone"])
+def test_pull_of_a_local_folder_checks_every_shard_and_tensor(tmp_path, damage):
+    folder = tiny_folder(tmp_path / "m", sharded=True)
+    if damage == "missing shard":
+        (folder / "model-00002-of-00002.safetensors").unlink()
+    elif damage == "no index and a shard gone":
+        (folder / "model.safetensors.index.json").unlink()
+        (folder / "model-00002-of-00002.safetensors").unlink()
+    if damage == "none":
+        assert pullmod.pull(folder) == folder.resolve()
+        return
+    with pytest.raises(UserError, match="is missing from|lacks") as e:
+        pullmod.pull(folder)
+    assert "\n" not in str(e.value)

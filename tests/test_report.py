@@ -296,3 +296,228 @@ def test_degenerate_windows_are_flagged_and_rows_without_the_measure_are_unknown
     assert tab["int8_weights"]["Reply repetition"] == "10%"
     assert tab["int8_kv (smoothed keys)"]["Reply repetition"] == "?"  # unknown, not degenerate
     assert "warning: 1 row(s) scored a degenerate window" in capsys.readouterr().out
+
+
+# Speculative decoding rows: (quant config index in CONFIGS, spec, k, settings, acceptance rate, mean acceptance
+# length, speed-up, exact, first mismatch, its margin); beside the plain rows of CONFIGS[:3] at ctx 1k.
+SPECS = [
+    (0, "ngram", 4, "min_n=3,max_n=5", 0.5, 2.2, 1.4, True, None, None),
+    (0, "draft", 5, "draft=smollm2-135m@0123456789ab,quant=bf16", 0.7, 3.1, 1.9, False, 17, 0.03),
+    (1, "ngram", 4, "min_n=3,max_n=5", 0.45, 1.9, 1.25, False, 3, 2.5),
+    (1, "dflash", 7, "dflash=/models/drafter", 0.01, 1.05, 0.6, True, None, None),
+]
+SPEC_CTX = "1k"
+
+
+def spec_row(cfg, spec, k, settings, rate, length, speedup, exact, step, margin, *, prompt_set, rng):
+    """A row of a job with speculative decoding (:func:`tileinfer.jobs.spec.columns`), and its positions."""
+    row, pos = fake_row(*CONFIGS[cfg], ctx=SPEC_CTX, prompt_set=prompt_set, rng=rng)
+    drafts = 40
+    accepted = round((length - 1) * drafts)
+    return row | {
+        "spec": spec,
+        "spec_k": k,
+        "spec_settings": settings,
+        "spec_temperature": 0.0,
+        "spec_drafts": drafts,
+        "spec_drafted_tokens": round(accepted / rate),
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": rate,
+        "spec_acceptance_length": length,
+        "spec_tokens_per_forward": 0.9 * length,
+        "spec_acceptance_at": [rate**0.5 * 0.9**i for i in range(k)],
+        "spec_histogram": [drafts // (k + 1)] * (k + 1),
+        "spec_draft_ms": 1.5 * k,
+        "spec_verify_ms": 21.0,
+        "spec_decode_tok_s": row["decode_tok_s"] * speedup,
+        "spec_speedup": speedup,
+        "spec_exact": exact,
+        "spec_first_mismatch": step,
+        "spec_mismatch_margin": margin,
+    }, pos
+
+
+def write_spec_runs(root: Path, specs=SPECS) -> Path:
+    """``write_runs`` (plain rows of ctx 1k and 8k) plus speculative rows at ctx 1k for both prompt sets."""
+    write_runs(root, configs=CONFIGS[:3])
+    rng = np.random.default_rng(3)
+    for ps in ("edit", "explain"):
+        for spec in specs:
+            row, pos = spec_row(*spec, prompt_set=ps, rng=rng)
+            tables.write_row(root / "rows" / "spec" / f"{row['quant']}-{spec[1]}-{SPEC_CTX}-{ps}.parquet", row, pos)
+    return root
+
+
+def spec_tables(md: str) -> dict:
+    """{(section, prompt set): {(config, proposer): {header: cell}}} of the speculative decoding tables."""
+    out, section, ps, header = {}, None, None, None
+    for line in md.splitlines():
+        if line.startswith("## "):
+            section, ps = line[3:], None
+        elif line.startswith("### "):
+            ps = None
+        elif line.startswith("#### "):
+            ps = re.search(r"`([^`]+)`", line)[1]
+        elif ps and line.startswith("|") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if cells[0] == "Config":
+                header = cells
+            else:
+                out.setdefault((section, ps), {})[cells[0], cells[1].split(" (")[0]] = dict(zip(header, cells))
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec_rendered(tmp_path_factory):
+    runs = write_spec_runs(tmp_path_factory.mktemp("spec_runs"))
+    path = report.render(runs)
+    return runs, path, path.read_text()
+
+
+def test_speculative_section_has_a_line_per_proposer_with_the_rows_numbers(spec_rendered):
+    runs, _, md = spec_rendered
+    assert re.findall(r"^## (.*)$", md, flags=re.M) == ["smollm2-135m, ctx 1k", "smollm2-135m, ctx 8k"]
+    assert md.count("### Speculative decoding") == 1  # ctx 8k has plain rows only
+    assert md.index("### Speculative decoding") < md.index("## smollm2-135m, ctx 8k")
+    assert md.count(report.DFLASH_NOTE) == 1
+    rows = tables.collect(runs / "rows").filter(pl.col("ctx") == SPEC_CTX)
+    tabs = spec_tables(md)
+    assert sorted(tabs) == [("smollm2-135m, ctx 1k", "edit"), ("smollm2-135m, ctx 1k", "explain")]
+    for ps in ("edit", "explain"):
+        tab = tabs["smollm2-135m, ctx 1k", ps]
+        assert list(tab) == [  # per configuration: the plain baseline, then ngram, draft, dflash
+            ("bf16", "none"),
+            ("bf16", "ngram"),
+            ("bf16", "draft"),
+            ("int8_weights", "none"),
+            ("int8_weights", "ngram"),
+            ("int8_weights", "dflash"),
+            ("int8_kv (smoothed keys)", "none"),
+        ]
+        plain = rows.filter((pl.col("prompt_set") == ps) & (pl.col("spec") == "none") & (pl.col("quant") == "bf16"))
+        line = tab["bf16", "none"]
+        assert line["Proposer"] == "none (plain)" and line["Speed-up (×)"] == "1 (plain)"
+        assert float(line["Plain decode tok/s"]) == pytest.approx(plain["decode_tok_s"][0], rel=5e-3)
+        assert line["Speculative tok/s"] == line["Exact (greedy reply = plain)"] == "–"
+        for cfg, spec, k, settings, rate, length, speedup, *_ in SPECS:
+            quant = CONFIGS[cfg][0]
+            r = rows.filter((pl.col("prompt_set") == ps) & (pl.col("spec") == spec) & (pl.col("quant") == quant))
+            r = r.row(0, named=True)
+            line = tab[quant, spec]
+            assert line["Proposer"] == f"{spec} ({settings})" and line["k"] == str(k)
+            assert line["Acceptance rate (%)"] == f"{100 * rate:.1f}"
+            assert line["Mean acceptance length"] == f"{length:.2f}"
+            assert line["Tokens per target forward"] == f"{0.9 * length:.2f}"
+            assert line["Speed-up (×)"] == f"{speedup:.2f}"
+            assert float(line["Plain decode tok/s"]) == pytest.approx(r["decode_tok_s"], rel=5e-3)
+            assert float(line["Speculative tok/s"]) == pytest.approx(r["spec_decode_tok_s"], rel=5e-3)
+            assert line["Draft ms/step"] == f"{1.5 * k:.3g}" and line["Verify ms/step"] == "21"
+        exact = {key: line["Exact (greedy reply = plain)"] for key, line in tab.items()}
+        assert exact["bf16", "ngram"] == exact["int8_weights", "dflash"] == "yes"
+        assert exact["bf16", "draft"] == "no at step 17, margin 0.03: near-tie"
+        assert exact["int8_weights", "ngram"] == "**no at step 3, margin 2.5: MISMATCH**"
+    warning = [line for line in md.splitlines() if "MISMATCH" in line and line.startswith("**Warning:**")]
+    assert warning == [
+        "**Warning:** 2 speculative row(s) left the plain greedy reply beyond a near-tie (MISMATCH): "
+        "smollm2-135m/int8_weights/1k/edit/reference/ngram, smollm2-135m/int8_weights/1k/explain/reference/ngram"
+    ]
+
+
+def test_drift_tables_show_each_configuration_once_from_its_plain_row(spec_rendered):
+    runs, _, md = spec_rendered
+    rows = tables.collect(runs / "rows")
+    for ps in ("edit", "explain"):
+        tab = table_of(md, SPEC_CTX, ps)
+        assert list(tab) == ["bf16", "int8_weights", "int8_kv (smoothed keys)"]
+        plain = rows.filter(
+            (pl.col("ctx") == SPEC_CTX)
+            & (pl.col("prompt_set") == ps)
+            & (pl.col("quant") == "int8_weights")
+            & (pl.col("spec") == "none")
+        )
+        assert tab["int8_weights"]["Mean KLD"] == f"{plain['kl_mean'][0]:.4g}"
+        assert tab["int8_weights"]["Decode tok/s"].startswith(f"{plain['decode_tok_s'][0]:.3g} (")
+    assert "no plain (spec=none) row" not in md
+
+
+def test_speculative_plots_are_png_files_linked_from_the_report(spec_rendered):
+    _, path, md = spec_rendered
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", md)
+    spec = [f for f in links if f.startswith("spec_")]
+    assert spec == ["spec_speedup-smollm2_135m-1k-reference.png", "spec_acceptance-smollm2_135m-1k-reference.png"]
+    assert md.index(report.DFLASH_NOTE) < md.index(spec[0]) < md.index("## smollm2-135m, ctx 8k")
+    for f in spec:
+        data = (path.parent / f).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 10_000
+    assert sorted(p.name for p in path.parent.glob("*.png")) == sorted(links)
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp files left
+    summary = (path.parent / "summary.md").read_text()
+    assert "spec_speedup" in summary and "1.25" in summary  # the summary shows speculation where there is some
+
+
+def test_old_rows_without_spec_columns_report_without_the_section(tmp_path):
+    runs = write_runs(tmp_path / "old", ctxs=("1k",), prompt_sets=("edit",), configs=CONFIGS[:2])
+    for f in (runs / "rows").rglob("*[0-9].parquet"):
+        tables.atomic_parquet(pl.read_parquet(f).drop("spec"), f)
+    md = report.render(runs).read_text()
+    assert list(table_of(md, "1k", "edit")) == ["bf16", "int8_weights"]
+    assert "Speculative decoding" not in md and "MISMATCH" not in md and report.DFLASH_NOTE not in md
+    assert not list((runs / "report").glob("spec_*"))
+    assert "spec" not in (runs / "report" / "summary.md").read_text()
+    # mixed with rows of speculative decoding (concatenated diagonally): the section appears
+    rng = np.random.default_rng(4)
+    row, pos = spec_row(*SPECS[0], prompt_set="edit", rng=rng)
+    tables.write_row(runs / "rows" / "spec" / "bf16-ngram.parquet", row, pos)
+    row, pos = spec_row(4, *SPECS[2][1:], prompt_set="edit", rng=rng)  # int8_both: no plain row
+    tables.write_row(runs / "rows" / "spec" / "int8_both-ngram.parquet", row, pos)
+    md = report.render(runs).read_text()
+    assert list(table_of(md, "1k", "edit")) == ["bf16", "int8_weights", "int8_both (smoothed keys)"]
+    assert "no plain (spec=none) row of int8_both (smoothed keys) (spec=ngram)" in md
+    tab = spec_tables(md)["smollm2-135m, ctx 1k", "edit"]
+    assert list(tab) == [
+        ("bf16", "none"),
+        ("bf16", "ngram"),
+        ("int8_weights", "none"),
+        ("int8_both (smoothed keys)", "ngram"),
+    ]
+    assert tab["bf16", "ngram"]["Speed-up (×)"] == "1.40"
+    assert tab["int8_both (smoothed keys)", "ngram"]["Exact (greedy reply = plain)"].endswith("MISMATCH**")
+    assert len(list((runs / "report").glob("spec_*.png"))) == 2
+
+
+def test_printed_table_with_speculative_rows_keeps_to_120_characters(tmp_path, capsys):
+    runs = write_spec_runs(tmp_path / "runs")
+    df = tables.collect(runs / "rows")
+    df = df.with_columns(reply_repeat_frac=pl.lit(0.1), degenerate=pl.lit(False))
+    tables.print_table(df)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= tables.PRINT_WIDTH, out
+    header = re.split(r"\s*[│┆]\s*", lines[2].strip("│ "))
+    assert header == [
+        "quant",
+        "ctx",
+        "prompt_set",
+        "kl_mean",
+        "decode_tok_s",
+        "spec",
+        "spec_k",
+        "acc_len",
+        "speedup",
+        "exact",
+        "repeat",
+    ]
+    body = [re.split(r"\s*┆\s*", line.strip("│ ")) for line in lines[4:] if "┆" in line]
+    assert len(body) == len(df)  # one line per row, no cell wrapped
+    cells = {(b[0], b[1], b[2], b[5]): b for b in body}
+    assert cells["bf16", "1k", "edit", "none"][6:10] == ["", "", "", ""]
+    assert cells["bf16", "1k", "edit", "ngram"][6:10] == ["4", "2.20", "1.40", "yes"]
+    assert cells["bf16", "1k", "edit", "draft"][6:10] == ["5", "3.10", "1.90", "tie@17"]
+    assert cells["int8_weights", "1k", "explain", "ngram"][6:10] == ["4", "1.90", "1.25", "NO@3"]
+    spec_order = [b[5] for b in body if b[:3] == ["int8_weights", "1k", "edit"]]
+    assert spec_order == ["none", "ngram", "dflash"]
+    warning = [line for line in lines if line.startswith("warning:")]
+    assert len(warning) == 1 and warning[0].startswith("warning: 2 speculative row(s) left the plain greedy reply")
+    # without speculation the layout is the plain one
+    tables.print_table(df.filter(pl.col("spec") == "none"))
+    assert "acc_len" not in capsys.readouterr().out

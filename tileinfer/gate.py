@@ -115,6 +115,18 @@ def kernel_checks(row: dict, gate) -> list[dict]:
     ]
 
 
+def spec_checks(row: dict, gate) -> list[dict]:
+    """A speculative row verified greedily: its reply equals the plain greedy reply, or differs first
+    at a near-tie (the target's top-1 minus top-2 logit there at most ``gate.spec_tie_margin``).
+    The candidate value is that margin, 0 for an exact reply; rows without the check give none."""
+    if row.get("spec_exact") is None:
+        return []
+    margin = 0.0 if row["spec_exact"] else row["spec_mismatch_margin"]
+    margin = float("inf") if margin is None else margin  # a mismatch without a margin: a length mismatch
+    bound = gate.get("spec_tie_margin", schema.SPEC_TIE_MARGIN)
+    return [_verdict("spec", row["prompt_set"], "mismatch margin", None, margin, bound)]
+
+
 def baseline_checks(row: dict, base: dict | None, gate, margin: dict | None = None) -> list[dict]:
     """Candidate vs the baseline row of the same configuration (None: a FAIL, "row present"); with a
     ``margin`` (:func:`fallback_margin`) the row is the reference backend's and the checks are
@@ -183,7 +195,7 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
         gate: the ``gate`` config: ``bounds``, ``max_increase``, ``floor``, ``max_top1_drop``.
 
     Returns:
-        One row per check: check (kernel | baseline | baseline-ref), prompt_set, metric, baseline,
+        One row per check: check (kernel | spec | baseline | baseline-ref), prompt_set, metric, baseline,
         candidate, bound, verdict (PASS | FAIL). ``baseline-ref``: the candidate's backend has no
         row, the reference backend's row stands in with bounds widened by :func:`fallback_margin`.
         A missing baseline row fails (metric ``row present``): the gate cannot certify a
@@ -193,6 +205,7 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
     for r in candidate.iter_rows(named=True):
         if r["kernel"]:
             out += kernel_checks(r, gate)
+        out += spec_checks(r, gate)
         base, stand_in = baseline_row(r, baseline)
         out += baseline_checks(r, base, gate, fallback_margin(r, gate) if stand_in else None)
     return pl.DataFrame(

@@ -15,6 +15,13 @@ Reads the sweep's result rows of RUNS_DIR (the Parquet rows of ``python -m tilei
   prefill/decode speed as a ratio to the BF16 row; the plots are linked from it. Rows whose scored
   window is degenerate (the reply mostly repeats itself, so KL is understated) are named in a warning
   and marked in a column; rows written before repetition was measured show ``?`` there.
+  Rows with speculative decoding (``spec`` other than ``none``) score the same drift as plain ones:
+  these tables show each configuration's plain row (``spec=none``; a speculative row where there is none);
+- a "Speculative decoding" part in each section that has speculative rows: one table per prompt set with
+  one line per (config, proposer and its settings) beside the plain rows, the first step where a greedy
+  speculative reply left the plain one and the target's logit margin there, and two plots:
+  ``spec_speedup-*.png`` (speed-up against mean acceptance length) and ``spec_acceptance-*.png``
+  (acceptance rate along the draft).
 
 Every file is written to a temporary name first and then renamed, and ``report.md`` comes last, so
 an interrupted report never leaves a half-written file under a final name.
@@ -38,10 +45,12 @@ import polars as pl  # noqa: E402
 from evals.metrics import DEGENERATE_REPEAT, LLAMA_CPP_LABELS  # noqa: E402
 from tileinfer.core import files  # noqa: E402
 from tileinfer.core.errors import UserError, exit_on_user_error  # noqa: E402
-from tileinfer.jobs import identity, tables  # noqa: E402
+from tileinfer.jobs import identity, schema, tables  # noqa: E402
 
 GROUP = ["model", "ctx", "backend"]  # one report section each...
 CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # ...with one table row each (per prompt set)...
+# ...and, in the speculative decoding tables, one line per proposer and its settings beside it...
+SPEC = {"spec": pl.String, "spec_k": pl.Int64, "spec_settings": pl.String, "spec_temperature": pl.Float64}
 # ...and one section per setup: rows that differ in any other identity column (tileinfer.jobs.identity:
 # scoring window, base, runner settings, timing, machine) are not comparable; the columns that vary
 # are named in the section title. Left out: columns the ones above determine.
@@ -55,8 +64,16 @@ DETERMINED = (
     "calibration_sha256",
     "ctx_tokens",
 )
-SETUP = [c for c in identity.IDENTITY if c not in (*GROUP, *CONFIG, *DETERMINED)]
+SETUP = [c for c in identity.IDENTITY if c not in (*GROUP, *CONFIG, *SPEC, *DETERMINED)]
 QUANT_ORDER = ["bf16", "int8_weights", "int8_kv", "int8_both"]
+SPEC_ORDER = ["none", "ngram", "draft", "dflash"]
+# Logits: a greedy speculative reply that first leaves the plain one where the target's top-1 leads its
+# top-2 by at most this is a near-tie (rounding between the verify and the decode path), by more a mismatch (a bug).
+NEAR_TIE = schema.SPEC_TIE_MARGIN
+DFLASH_NOTE = (
+    "Acceptance figures of `dflash` rows need a real drafter checkpoint; random drafter weights give "
+    "near-zero acceptance."
+)
 REPETITION = {"reply_repeat_frac", "degenerate"}  # row columns of the scored reply's repetition
 
 
@@ -96,16 +113,18 @@ def load_rows(runs_dir: Path) -> tuple[pl.DataFrame, Path, int]:
         df = df.filter(pl.all_horizontal(pl.col(needed).is_not_null()))
     if df.is_empty() or not {*needed, *CONFIG} <= set(df.columns):
         raise UserError(f"no result rows under {rows_dir} (run python -m tileinfer.sweep first)")
-    # rows written before these columns existed
+    # rows written before these columns existed (before speculative decoding: spec=none)
     df = df.with_columns([pl.lit(None, pl.String).alias(c) for c in SETUP if c not in df.columns])
+    df = df.with_columns(pl.col(c).cast(t) if c in df.columns else pl.lit(None, t).alias(c) for c, t in SPEC.items())
+    df = df.with_columns(pl.col("spec").fill_null("none"))
     return df, rows_dir, duplicates
 
 
 def latest_rows(df: pl.DataFrame) -> tuple[pl.DataFrame, int]:
-    """The newest row of each (group, config, prompt set), sorted for display and labelled in a
-    column ``config`` (:func:`config_label`), and how many older rows of the same key were dropped
-    (e.g. an earlier run with another n_score)."""
-    key = [*GROUP, *SETUP, *CONFIG, "prompt_set"]
+    """The newest row of each (group, config, speculation, prompt set), sorted for display (plain
+    before speculative rows) and labelled in a column ``config`` (:func:`config_label`), and how many
+    older rows of the same key were dropped (e.g. an earlier run with another n_score)."""
+    key = [*GROUP, *SETUP, *CONFIG, *SPEC, "prompt_set"]
     df = df.with_columns(pl.col("smooth_keys").fill_null(False))
     if "finished_at" in df.columns:
         df = df.sort("finished_at", nulls_last=False)
@@ -123,12 +142,21 @@ def latest_rows(df: pl.DataFrame) -> tuple[pl.DataFrame, int]:
             "quant",
             pl.col("smooth_keys").not_(),
             "smooth_alpha",
+            pl.col("spec").replace_strict(SPEC_ORDER, list(range(len(SPEC_ORDER))), default=len(SPEC_ORDER)),
+            *SPEC,
         ]
     )
     # Name α only when smoothed rows with several α are present.
     show_alpha = newest.filter(pl.col("smooth_keys"))["smooth_alpha"].n_unique() > 1
     labels = [config_label(q, s, a, show_alpha) for q, s, a in newest.select(CONFIG).iter_rows()]
     return newest.with_columns(config=pl.Series(labels, dtype=pl.String)), len(df) - len(newest)
+
+
+def plain_rows(rows: pl.DataFrame) -> pl.DataFrame:
+    """One row per (group, config, prompt set) of :func:`latest_rows`, for the drift tables and plots:
+    the plain one (``spec=none``), or the first speculative one where there is no plain row (drift is
+    scored alike: the proposer only runs after the scored window)."""
+    return rows.unique(subset=[*GROUP, *SETUP, *CONFIG, "prompt_set"], keep="first", maintain_order=True)
 
 
 def config_label(quant: str, smooth_keys: bool, alpha, show_alpha: bool = False) -> str:
@@ -207,6 +235,13 @@ def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
             + ([_repetition(r)] if rep else [])
         )
         lines.append("| " + " | ".join(cells) + " |")
+    if "spec" in rows.columns:
+        speculative = rows.filter(pl.col("spec") != "none").select("config", "spec").iter_rows()
+        if borrowed := [f"{c} (spec={s})" for c, s in speculative]:
+            notes.append(
+                f"no plain (spec=none) row of {', '.join(borrowed)}: its drift and decode speed are those of its "
+                "speculative row (drift is scored alike; its plain decode was timed in that job)."
+            )
     if est:
         notes.append(
             "some KL values are estimates (see the KL estimate column), not exact sums over the vocabulary: "
@@ -332,6 +367,209 @@ def position_plot(rows: pl.DataFrame, title: str, colors: dict, path: Path) -> t
     return True, notes
 
 
+def _finite(value) -> bool:
+    return value is not None and bool(np.isfinite(value))
+
+
+def exact_cell(r: dict) -> str:
+    """Whether a greedy speculative reply equals the plain one: ``yes``; ``no at step 12, margin 0.031:
+    near-tie`` (the target's top-1 led its top-2 by at most :data:`NEAR_TIE` logits there: rounding);
+    ``**no at step 3, margin 4.2: MISMATCH**`` (a wider margin, or none known: a bug); ``– (sampled)``
+    when verification samples (nothing to compare); ``–`` for a plain row."""
+    if r["spec"] == "none":
+        return "–"
+    if r.get("spec_exact") is None:
+        return "– (sampled)" if r.get("spec_temperature") else "?"
+    if r["spec_exact"]:
+        return "yes"
+    step, margin = r.get("spec_first_mismatch"), r.get("spec_mismatch_margin")
+    at = "no" + (f" at step {step}" if step is not None else "")
+    if not _finite(margin):
+        return f"**{at}, margin ?: MISMATCH**"
+    return f"{at}, margin {margin:.3g}: near-tie" if margin <= NEAR_TIE else f"**{at}, margin {margin:.3g}: MISMATCH**"
+
+
+def _proposer(r: dict) -> str:
+    """``ngram (min_n=5,max_n=5)``, ``draft (...), T=0.7``; ``none (plain)``."""
+    if r["spec"] == "none":
+        return "none (plain)"
+    temperature = r.get("spec_temperature")
+    return (
+        r["spec"]
+        + (f" ({r['spec_settings']})" if r.get("spec_settings") else "")
+        + (f", T={temperature:g}" if temperature else "")
+    )
+
+
+# (column, header, formatter) of the speculative part of each speculative decoding table.
+SPEC_COLUMNS = [
+    ("spec_acceptance_rate", "Acceptance rate (%)", "{:.1f}", 100),
+    ("spec_acceptance_length", "Mean acceptance length", "{:.2f}"),
+    ("spec_tokens_per_forward", "Tokens per target forward", "{:.2f}"),
+]
+
+
+def spec_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
+    """A Markdown table of one prompt set's plain and speculative rows (:func:`latest_rows` order: per
+    configuration, the plain row first) and the notes it needs (sampled rows)."""
+    head = (
+        ["Config", "Proposer", "k"]
+        + [h for _, h, *_ in SPEC_COLUMNS]
+        + [
+            "Plain decode tok/s",
+            "Speculative tok/s",
+            "Speed-up (×)",
+            "Draft ms/step",
+            "Verify ms/step",
+            "Exact (greedy reply = plain)",
+        ]
+    )
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows.iter_rows(named=True):
+        plain = r["spec"] == "none"
+        cells = (
+            [r["config"], _proposer(r), _or_unknown(r.get("spec_k")) if not plain else "–"]
+            + [_fmt(r.get(c), f, *s) for c, _, f, *s in SPEC_COLUMNS]
+            + [
+                _speed(r.get("decode_tok_s"), None),
+                _speed(r.get("spec_decode_tok_s"), None),
+                "1 (plain)" if plain else _fmt(r.get("spec_speedup"), "{:.2f}"),
+                _fmt(r.get("spec_draft_ms"), "{:.3g}"),
+                _fmt(r.get("spec_verify_ms"), "{:.3g}"),
+                exact_cell(r),
+            ]
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = []
+    if rows["spec_temperature"].gt(0).any():
+        notes.append(
+            "rows with T > 0 verify by rejection sampling: their reply is not the greedy one, so it is not "
+            "compared (exact –), and their acceptance depends on the seed."
+        )
+    return "\n".join(lines), notes
+
+
+def _spec_labels(rows: pl.DataFrame) -> list[str]:
+    """A short name per speculative row of a group: ``int8_kv/k=4``, plus what else tells rows apart
+    in it (the proposer's settings, temperature, prompt set)."""
+    settings = rows.group_by("spec").agg(pl.col("spec_settings").n_unique()).filter(pl.col("spec_settings") > 1)
+    several_settings = set(settings["spec"])
+    several_temperatures = rows["spec_temperature"].n_unique() > 1
+    several_sets = rows["prompt_set"].n_unique() > 1
+    return [
+        f"{r['config']}/k={_or_unknown(r['spec_k'])}"
+        + (f" ({r['spec_settings']})" if r["spec"] in several_settings else "")
+        + (f", T={r['spec_temperature']:g}" if several_temperatures and r["spec_temperature"] is not None else "")
+        + (f", {r['prompt_set']}" if several_sets else "")
+        for r in rows.iter_rows(named=True)
+    ]
+
+
+def _proposer_styles(rows: pl.DataFrame) -> dict[str, tuple]:
+    """(color, marker, line style) per proposer, the same in every plot."""
+    cmap = plt.get_cmap("tab10")
+    styles = ["-", "--", "-.", ":"]
+    order = SPEC_ORDER + sorted(set(rows["spec"]) - set(SPEC_ORDER))
+    return {p: (cmap(i % 10), "osD^vP*X"[i % 8], styles[i % 4]) for i, p in enumerate(order)}
+
+
+def speedup_plot(rows: pl.DataFrame, title: str, path: Path) -> tuple[bool, list[str]]:
+    """Write the speed-up against mean acceptance length of one group's speculative rows to ``path``:
+    one point per row (color and marker = proposer, labelled ``config/k``) and a dashed line at 1×
+    (plain decoding). Returns whether a figure was written and notes on rows that could not be drawn."""
+    notes, points = [], []
+    styles = _proposer_styles(rows)
+    for r, lab in zip(rows.iter_rows(named=True), _spec_labels(rows)):
+        x, y = r.get("spec_acceptance_length"), r.get("spec_speedup")
+        if _finite(x) and _finite(y):
+            points.append((r["spec"], lab, x, y))
+        else:
+            notes.append(f"{r['spec']} {lab}: no speed-up or mean acceptance length, not plotted.")
+    if not points:
+        return False, notes
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    ax.axhline(1.0, color="0.35", ls="--", lw=1.2, label="plain decoding (1×)")
+    for spec in dict.fromkeys(p[0] for p in points):
+        color, marker, _ = styles[spec]
+        xs, ys = [p[2] for p in points if p[0] == spec], [p[3] for p in points if p[0] == spec]
+        ax.scatter(xs, ys, color=color, marker=marker, s=60, edgecolors="black", linewidths=0.5, zorder=3, label=spec)
+    for _, lab, x, y in points:
+        ax.annotate(lab, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    ax.set_xlabel("mean acceptance length (tokens per draft round, 1 + accepted/drafts)")
+    ax.set_ylabel("speed-up (speculative / plain decode tok/s)")
+    ax.set_title(f"Speculative decoding speed-up — {title}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
+    _save(fig, path)
+    return True, notes
+
+
+def acceptance_plot(rows: pl.DataFrame, title: str, path: Path) -> tuple[bool, list[str]]:
+    """Write the acceptance rate at each position of the draft (``spec_acceptance_at``) of one group's
+    speculative rows to ``path``, one line per row (color, marker and style by proposer, shade by
+    row). Returns whether a figure was written and notes on rows without the figures."""
+    notes, lines = [], []
+    styles = _proposer_styles(rows)
+    for r, lab in zip(rows.iter_rows(named=True), _spec_labels(rows)):
+        at = [np.nan if v is None else v for v in (r.get("spec_acceptance_at") or [])]
+        if any(np.isfinite(at)):
+            lines.append((r["spec"], lab, np.asarray(at, dtype=np.float64)))
+        else:
+            notes.append(f"{r['spec']} {lab}: no acceptance rate per draft position, not plotted.")
+    if not lines:
+        return False, notes
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    cmap = plt.get_cmap("tab20")
+    for i, (spec, lab, at) in enumerate(lines):
+        _, marker, ls = styles[spec]
+        x = np.arange(1, len(at) + 1)
+        ax.plot(x, at, color=cmap(i % 20), marker=marker, ls=ls, lw=1.5, ms=5, label=f"{spec} {lab}")
+    ax.set_xticks(range(1, max(len(at) for *_, at in lines) + 1))
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("position in the draft (1: first drafted token)")
+    ax.set_ylabel("acceptance rate (accepted / drafted there)")
+    ax.set_title(f"Acceptance along the draft — {title}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
+    _save(fig, path)
+    return True, notes
+
+
+def spec_section(group: pl.DataFrame, title: str, slug: list, out_dir: Path) -> list[str]:
+    """The Markdown lines of one group's speculative decoding part (tables per prompt set, then the
+    plots, written into ``out_dir``); none when no row of the group speculates."""
+    speculative = group.filter(pl.col("spec") != "none")
+    if speculative.is_empty():
+        return []
+    md = [
+        "",
+        "### Speculative decoding",
+        "",
+        "The timed decode steps after the prompt, decoded speculatively and plainly in the same job: the "
+        "speed-up is speculative over plain decode tok/s of that row; plain (spec=none) rows are the "
+        "baseline. Acceptance rate is accepted over drafted tokens; mean acceptance length is "
+        "1 + accepted/drafts (vLLM's); tokens per target forward is new tokens over forwards of the target "
+        "model; draft and verify ms are per target step. Exact: whether the greedy speculative reply equals "
+        "the plain greedy one, else the first step where it differs and the target's top-1 minus top-2 logit there "
+        f"(up to {NEAR_TIE:g}: a near-tie, rounding; above: a MISMATCH, a bug).",
+    ]
+    for (prompt_set,), rs in group.group_by("prompt_set", maintain_order=True):
+        if rs["spec"].ne("none").any():
+            table, notes = spec_table(rs)
+            md += ["", f"#### Prompt set `{prompt_set}` (speculative decoding)", "", table]
+            md += [f"\nNote: {t}" for t in notes]
+    md += ["", f"Note: {DFLASH_NOTE}"]
+    path = out_dir / f"spec_speedup-{_slug(*slug)}.png"
+    written, notes = speedup_plot(speculative, title, path)
+    if written:
+        md += ["", f"![speculative speed-up against mean acceptance length, {title}]({path.name})"]
+    path = out_dir / f"spec_acceptance-{_slug(*slug)}.png"
+    written, more = acceptance_plot(speculative, title, path)
+    if written:
+        md += ["", f"![acceptance rate along the draft, {title}]({path.name})"]
+    return md + [f"\nNote: {t}" for t in notes + more]
+
+
 def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
     """Write the report of the rows under ``runs_dir`` into ``out_dir`` (default
     ``runs_dir/report``): summary table, PNG plots, then ``report.md``. Returns the path of
@@ -345,7 +583,7 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
     dropped += duplicates
     several_backends = rows["backend"].n_unique() > 1
     print(f"report: {len(rows)} result rows from {rows_dir}" + (f" ({dropped} older left out)" if dropped else ""))
-    degenerate = tables.degenerate_note(rows)
+    degenerate = tables.degenerate_note(plain_rows(rows))  # a speculative row repeats its plain row's reply
     if degenerate:
         print(f"warning: {degenerate}")
 
@@ -371,13 +609,32 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
             "the drift); "
             "? marks rows written before it was measured."
         )
+    if rows["spec"].ne("none").any():
+        md[-1] += (
+            " Rows with speculative decoding score the same drift as plain ones: the drift tables show the plain "
+            "(spec=none) row of each configuration; their speculative figures are in the sections' "
+            '"Speculative decoding" parts.'
+        )
     if degenerate:
         md += ["", f"**Warning:** {degenerate}"]
+    mismatches = [
+        "/".join(map(str, (r["model"], r["config"], r["ctx"], r["prompt_set"], r["backend"], r["spec"])))
+        for r in rows.iter_rows(named=True)
+        if exact_cell(r).endswith("MISMATCH**")
+    ]
+    if mismatches:
+        mismatch = (
+            f"{len(mismatches)} speculative row(s) left the plain greedy reply beyond a near-tie (MISMATCH): "
+            + ", ".join(mismatches)
+        )
+        print(f"warning: {mismatch}")
+        md += ["", f"**Warning:** {mismatch}"]
     if dropped:
         md += ["", f"Note: {dropped} older row(s) of a configuration that has a newer row were left out."]
     varying = [c for c in SETUP if rows[c].n_unique() > 1]
-    for key, group in rows.group_by([*GROUP, *varying], maintain_order=True):
+    for key, every in rows.group_by([*GROUP, *varying], maintain_order=True):
         model, ctx, backend, *setup = key
+        group = plain_rows(every)
         title = (
             f"{model}, ctx {ctx}"
             + (f", backend {backend}" if several_backends else "")
@@ -414,6 +671,7 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
             elif rs["quant"].ne("bf16").any():
                 notes.append(f"no positions files for prompt set {prompt_set}, so no KL-per-position plot.")
             md += [f"\nNote: {t}" for t in notes]
+        md += spec_section(every, title, slug, out_dir)
     report = out_dir / "report.md"
     files.write_text(report, "\n".join(md) + "\n")
     return report

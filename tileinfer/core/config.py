@@ -251,6 +251,10 @@ def _rope(d: dict, head_dim: int, max_pos: int) -> tuple[float, dict | None]:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise UserError(f"{source} rope_type={kind!r} is not supported (only {', '.join(ROPE_TYPES)})")
+    if kind in ("linear", "llama3", "dynamic"):  # transformers' validation: a factor below 1 is an error
+        factor = params.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor < 1:
+            raise UserError(f"{source} {kind} factor={factor!r}: expected a number >= 1")
     if kind == "linear":
         return theta, {"rope_type": "linear", "factor": float(params["factor"])}
     if kind == "llama3":

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tileinfer.core import files
 from tileinfer.core.checkpoint.gguf_file import read_header
+from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
 from tileinfer.core.progress import progress_bar
 from tileinfer.core.registry import known_models, model_entry
@@ -99,15 +100,40 @@ def check_local(path: Path) -> Path:
         read_header(path)  # raises on a bad header or tensor data past the end of the file
         return path
     if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        for f in sorted(path.glob("*.safetensors")):
-            _check_safetensors(f)
+        _check_folder(path)
         return path
     raise UserError(f"{path} is not a checkpoint: expected a .gguf file or a folder with config.json and *.safetensors")
 
 
-def _check_safetensors(path: Path) -> None:
-    """Raise UserError unless ``path``'s header parses and its tensors end inside the file (the
-    format: 8-byte little-endian header size, JSON header, data; huggingface/safetensors)."""
+def _check_folder(path: Path) -> None:
+    """Raise UserError unless every shard the index names exists and is complete, and the shards
+    hold every tensor config.json's architecture needs (read from the headers, no tensor loaded)."""
+    index = path / "model.safetensors.index.json"
+    try:
+        shards = (
+            sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if index.is_file()
+            else sorted(p.name for p in path.glob("*.safetensors"))
+        )
+        hf_config = json.loads((path / "config.json").read_text())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path}: unreadable config.json or {index.name} ({e})") from None
+    names = set()
+    for name in shards:
+        if not (path / name).is_file():
+            raise UserError(f"shard {name} named in {index.name} is missing from {path}")
+        names |= _check_safetensors(path / name)
+    try:
+        need = ModelConfig.from_hf(hf_config).tensor_names()
+    except UserError as e:
+        raise UserError(f"{path / 'config.json'}: {e}") from None
+    if missing := [n for n in need if n not in names]:
+        raise UserError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {missing[0]} (a missing shard?)")
+
+
+def _check_safetensors(path: Path) -> set[str]:
+    """The tensor names of ``path``; UserError unless its header parses and its tensors end inside the
+    file (the format: 8-byte little-endian header size, JSON header, data; huggingface/safetensors)."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -120,6 +146,7 @@ def _check_safetensors(path: Path) -> None:
         raise UserError(f"{path}: truncated or corrupt safetensors file ({e})") from None
     if 8 + n + end > size:
         raise UserError(f"{path}: truncated safetensors file (tensor data ends at byte {8 + n + end}, file has {size})")
+    return set(header) - {"__metadata__"}
 
 
 # --- verification -------------------------------------------------------------------------------------------

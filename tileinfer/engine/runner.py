@@ -77,7 +77,7 @@ class ModelRunner:
         )
         self.blocks = BlockManager(self.max_pages)
         self.cuda_graph = uses_cuda_graph(cuda_graph, self.device, self.ops)
-        self._decode_graph: DecodeGraph | None = None
+        self._graphs: dict[int, StepGraph] = {}  # by tokens per step: 1 (decode), k + 1 (verify)
 
     @property
     def device(self) -> torch.device:
@@ -102,17 +102,18 @@ class ModelRunner:
                 "which this engine does not implement"
             )
 
-    def step(self, seq: Sequence, tokens: torch.Tensor, logit_rows=None) -> torch.Tensor:
-        """One forward pass over ``tokens`` [T] appended to ``seq``; float32 logits [R, vocab]."""
+    def step(self, seq: Sequence, tokens: torch.Tensor, logit_rows=None, capture: tuple[int, ...] = ()):
+        """One forward pass over ``tokens`` [T] appended to ``seq``; float32 logits [R, vocab], or
+        ``(logits, hidden)`` when ``capture`` names layers (see :meth:`Transformer.forward`)."""
         T = tokens.shape[0]
         self.check_length(seq, T)
         seq.reserve(T)
         positions = torch.arange(seq.length, seq.length + T, dtype=torch.int32, device=self.device)
-        logits = self.model.forward(
-            self.ops, tokens.to(self.device), positions, self.kv, seq.block_table_tensor, logit_rows
+        out = self.model.forward(
+            self.ops, tokens.to(self.device), positions, self.kv, seq.block_table_tensor, logit_rows, capture
         )
         seq.length += T
-        return logits
+        return out
 
     def chunks(
         self, seq: Sequence, tokens, logits_from: int | None = None, progress: str | None = None
@@ -152,14 +153,23 @@ class ModelRunner:
 
     def decode(self, seq: Sequence, token: int) -> torch.Tensor:
         """One decode step for ``token``; float32 logits [vocab] of the next position."""
+        return self.verify(seq, [token])[0]
+
+    def verify(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
+        """One step over a few ``tokens`` (a decode step, or speculative decoding's verify step of the
+        pending token plus the drafts); float32 logits [len(tokens), vocab]. Replays the captured CUDA
+        graph of that many tokens when the runner uses graphs (one graph per token count, captured
+        on first use); attention then runs the split-KV decode kernels, which read positions on the
+        device."""
         if not self.cuda_graph:
-            return self.step(seq, torch.tensor([token]))[0]
-        self.check_length(seq, 1)
-        seq.reserve(1)
-        if self._decode_graph is None:
-            self._decode_graph = DecodeGraph(self, seq, token)
-        logits = self._decode_graph(seq, token)
-        seq.length += 1
+            return self.step(seq, torch.tensor(tokens))
+        T = len(tokens)
+        self.check_length(seq, T)
+        seq.reserve(T)
+        if T not in self._graphs:
+            self._graphs[T] = StepGraph(self, seq, tokens)
+        logits = self._graphs[T](seq, tokens)
+        seq.length += T
         return logits
 
     def synchronize(self) -> None:
@@ -168,26 +178,28 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
 
-class DecodeGraph:
-    """One decode step of a runner, captured once as a CUDA graph and replayed for any of its sequences.
+class StepGraph:
+    """One step of ``T`` tokens of a runner, captured once as a CUDA graph and replayed for any of its
+    sequences (T = 1: a decode step; T = k + 1: a speculative verify step).
 
-    The token, its position and the sequence's block table are copied into static device buffers
+    The tokens, their positions and the sequence's block table are copied into static device buffers
     before each replay; the kernels read the context length from those buffers on the device, so one
     graph serves every position (the split-KV grid depends only on the block table's size). Built
-    on the first decode step: one eager step on the static buffers compiles the kernels and writes
-    that step's keys and values (the replay writes the same ones again), then the capture.
+    on the first use: one eager step on the static buffers compiles the kernels and writes that
+    step's keys and values (the replay writes the same ones again), then the capture.
     Follows PyTorch's ``torch.cuda.graph`` recipe (warm-up on a side stream, then capture).
 
     Raises:
         RuntimeError: an op of the backend is not capturable (a host sync or read inside a step).
     """
 
-    def __init__(self, runner: ModelRunner, seq: Sequence, token: int):
-        dev = runner.device
-        self.tokens = torch.zeros(1, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(1, dtype=torch.int32, device=dev)
+    def __init__(self, runner: ModelRunner, seq: Sequence, tokens: list[int]):
+        dev, T = runner.device, len(tokens)
+        self.tokens = torch.zeros(T, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(T, dtype=torch.int32, device=dev)
+        self.offsets = torch.arange(T, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros_like(seq.block_table_tensor)
-        self._load(seq, token)
+        self._load(seq, tokens)
 
         def forward() -> torch.Tensor:
             return runner.model.forward(runner.ops, self.tokens, self.positions, runner.kv, self.block_table)
@@ -201,14 +213,14 @@ class DecodeGraph:
         with torch.cuda.graph(self.graph):
             self.logits = forward()
 
-    def _load(self, seq: Sequence, token: int) -> None:
-        self.tokens.fill_(token)
-        self.positions.fill_(seq.length)
+    def _load(self, seq: Sequence, tokens: list[int]) -> None:
+        self.tokens.copy_(torch.tensor(tokens), non_blocking=True)
+        torch.add(self.offsets, seq.length, out=self.positions)
         self.block_table.copy_(seq.block_table_tensor)
 
-    def __call__(self, seq: Sequence, token: int) -> torch.Tensor:
-        """Replay for ``token`` at position ``seq.length``; float32 logits [vocab] (a copy: the
-        graph's output buffer is rewritten by the next replay)."""
-        self._load(seq, token)
+    def __call__(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
+        """Replay for ``tokens`` at positions ``seq.length ...``; float32 logits [T, vocab] (a copy:
+        the graph's output buffer is rewritten by the next replay)."""
+        self._load(seq, tokens)
         self.graph.replay()
-        return self.logits[0].clone()
+        return self.logits.clone()

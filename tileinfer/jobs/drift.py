@@ -23,7 +23,10 @@ from evals.metrics import MetricsAccumulator, greedy_agreement_length
 from tileinfer.core import files
 from tileinfer.core.errors import NonFiniteLogits
 from tileinfer.core.progress import progress_bar
+from tileinfer.engine.generation import SamplingParams
+from tileinfer.engine.proposers import Proposer
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.engine.speculative import SpecReply, speculative_decode
 from tileinfer.jobs.resume import Restored, Snapshots
 
 
@@ -71,19 +74,59 @@ def check_finite(logits: torch.Tensor) -> torch.Tensor:
 @dataclass
 class PassResult:
     """Timings of one teacher-forced pass (seconds, from a synchronized host clock); ``prefill_s`` is
-    None when the prefill was resumed from a snapshot (not timed in one piece)."""
+    None when the prefill was resumed from a snapshot (not timed in one piece). ``decoded`` holds the
+    timed plain decode steps' greedy tokens and ``margins`` their top-1 minus top-2 logit; ``spec``
+    the speculative run over the same steps (None without a proposer)."""
 
     prefill_s: float | None
     decode_s: float
     decode_steps: int
+    decoded: list[int]
+    margins: list[float]
+    spec: SpecResult | None = None
 
 
-def prefill(runner: ModelRunner, seq, prompt: list[int], snaps: Snapshots, progress: str) -> tuple[Restored, bool]:
+@dataclass
+class SpecResult:
+    """A timed speculative run after the prompt: its reply (the same steps as the plain decode) and
+    wall time in seconds (synchronized host clock)."""
+
+    reply: SpecReply
+    seconds: float
+
+
+@dataclass
+class Speculation:
+    """What a pass speculates with: a proposer, at most ``k`` drafts per round, and the sampling
+    (greedy unless ``sampling.temperature > 0``)."""
+
+    proposer: Proposer
+    k: int
+    sampling: SamplingParams = SamplingParams()
+
+    def run(self, runner: ModelRunner, seq, tokens: list[int], n: int) -> SpecResult:
+        """``n`` tokens after ``tokens`` (``seq`` caches all but the last), timed."""
+        self.proposer.begin(tokens)
+        try:
+            runner.synchronize()
+            t0 = time.perf_counter()
+            reply = speculative_decode(runner, seq, tokens, n, self.proposer, self.k, self.sampling)
+            runner.synchronize()
+            return SpecResult(reply, time.perf_counter() - t0)
+        finally:
+            self.proposer.end()
+
+
+def prefill(
+    runner: ModelRunner, seq, prompt: list[int], snaps: Snapshots, progress: str, proposer: Proposer | None = None
+) -> tuple[Restored, bool]:
     """Prefill ``prompt`` into the empty ``seq`` chunk by chunk, from a snapshot where one exists.
 
     Returns (state, resumed): ``state.first`` holds the float32 logits [vocab] after the prompt, and
     ``state.fed`` may run past the prompt when the snapshot did (a base reply in progress).
-    A snapshot is saved at a chunk boundary when due, and on Ctrl-C.
+    A snapshot is saved at a chunk boundary when due, and on Ctrl-C. A ``proposer`` conditioned on
+    the target's hidden states observes them chunk by chunk (pass no snapshots then: a restored
+    chunk has none).
     """
     state = snaps.restore(runner, seq, prompt)
     resumed = bool(state.fed)
@@ -92,7 +135,13 @@ def prefill(runner: ModelRunner, seq, prompt: list[int], snaps: Snapshots, progr
     bar = progress_bar(len(prompt), progress, initial=len(state.fed))
     try:
         for start in range(len(state.fed), len(prompt), runner.prefill_chunk):
-            state.last = check_finite(runner.prefill(seq, prompt[start : start + runner.prefill_chunk])[None])[0]
+            chunk = prompt[start : start + runner.prefill_chunk]
+            if proposer is not None and proposer.hidden_layers:
+                logits, hidden = runner.step(seq, torch.tensor(chunk), slice(-1, None), proposer.hidden_layers)
+                proposer.observe(hidden)
+            else:
+                logits = runner.prefill(seq, chunk)[None]
+            state.last = check_finite(logits)[0]
             state.fed = prompt[: seq.length]
             bar.update(seq.length - start)
             if snaps.due() and seq.length < len(prompt):
@@ -166,6 +215,7 @@ def teacher_forced(
     decode_steps: int = 0,
     timings: list | None = None,
     snaps: Snapshots | None = None,
+    spec: Speculation | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Run ``stream`` through ``runner``; yield ``(i, logits)`` chunks of the scored positions.
 
@@ -175,8 +225,10 @@ def teacher_forced(
     Row ``j`` of a chunk starting at ``i`` holds float32 logits [vocab] predicting reply token
     ``i + j``. The prompt prefill is timed (resumed from ``snaps`` where a snapshot exists, and then
     not timed); after the last chunk the sequence is cut back to the prompt and ``decode_steps``
-    greedy decode steps are timed. The :class:`PassResult` is appended to ``timings`` when the
-    generator finishes. Ctrl-C while scoring leaves a snapshot of the prefilled prompt.
+    greedy decode steps are timed. With ``spec``, the sequence is cut back to the prompt once more
+    and the same steps are decoded speculatively, timed. The :class:`PassResult` is appended to
+    ``timings`` when the generator finishes. Ctrl-C while scoring leaves a snapshot of the prefilled
+    prompt.
     """
     snaps = snaps or Snapshots(None)
     seq = runner.new_sequence()
@@ -185,7 +237,7 @@ def teacher_forced(
         prompt, reply = tokens[: stream.prompt_len], tokens[stream.prompt_len :]
         runner.synchronize()
         t0 = time.perf_counter()
-        state, resumed = prefill(runner, seq, prompt, snaps, "prefill")
+        state, resumed = prefill(runner, seq, prompt, snaps, "prefill", spec and spec.proposer)
         runner.synchronize()
         prefill_s = None if resumed else time.perf_counter() - t0
         yield 0, state.first[None]
@@ -198,14 +250,22 @@ def teacher_forced(
                 snaps.save(runner, seq, prompt, state.first, state.first)
             raise
         seq.truncate(stream.prompt_len)
-        token = reply[0]
+        token, decoded, logits = reply[0], [], []
         runner.synchronize()
         t0 = time.perf_counter()
         for _ in range(decode_steps):
-            token = int(runner.ops.argmax(runner.decode(seq, token)[None])[0])
+            logits.append(runner.decode(seq, token))
+            token = int(runner.ops.argmax(logits[-1][None])[0])
+            decoded.append(token)
         runner.synchronize()
+        decode_s = time.perf_counter() - t0
+        top2 = torch.stack(logits).topk(2, dim=-1).values if logits else torch.zeros(0, 2)
+        result = PassResult(prefill_s, decode_s, decode_steps, decoded, (top2[:, 0] - top2[:, 1]).tolist())
+        if spec is not None:
+            seq.truncate(stream.prompt_len)
+            result.spec = spec.run(runner, seq, prompt + reply[:1], decode_steps)
         if timings is not None:
-            timings.append(PassResult(prefill_s, time.perf_counter() - t0, decode_steps))
+            timings.append(result)
     finally:
         seq.release()
 
@@ -216,21 +276,31 @@ def full_logits(runner: ModelRunner, stream: Stream) -> FullLogits:
     return FullLogits(torch.tensor(stream.tokens), stream.prompt_len, logits)
 
 
-def warm_up(runner: ModelRunner, stream) -> None:
-    """One short prefill and two decode steps, so compilation and allocation stay out of timings."""
+def warm_up(runner: ModelRunner, stream, spec: Speculation | None = None) -> None:
+    """One short prefill and two decode steps (and a short speculative run with ``spec``), so
+    compilation, graph capture and allocation stay out of timings."""
     seq = runner.new_sequence()
     try:
         n = min(stream.prompt_len, 2 * runner.prefill_chunk)
-        runner.prefill(seq, [int(t) for t in stream.tokens[:n]])
-        for t in stream.tokens[n : n + 2]:
-            runner.decode(seq, int(t))
+        tokens = [int(t) for t in stream.tokens[: n + 1]]
+        prefill(runner, seq, tokens[:n], Snapshots(None), None, spec and spec.proposer)
+        for t in tokens[n:]:
+            runner.decode(seq, t)
+        if spec is not None:
+            seq.truncate(n)
+            spec.run(runner, seq, tokens, 2 * spec.k + 2)
         runner.synchronize()
     finally:
         seq.release()
 
 
 def score(
-    runner: ModelRunner, base, decode_steps: int, snaps: Snapshots | None = None
+    runner: ModelRunner,
+    base,
+    decode_steps: int,
+    snaps: Snapshots | None = None,
+    spec: Speculation | None = None,
+    passes: list | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Compare ``runner`` with a base on the base's token stream; return metrics and speed.
 
@@ -241,12 +311,16 @@ def score(
     ``greedy_agree_len`` (tokens), ``n_scored``, ``prefill_ms``, ``prefill_tok_s``,
     ``decode_tok_s`` and ``decode_ms_per_tok`` (from a synchronized host clock on ``runner``'s
     device); and the per-position arrays of :func:`evals.metrics.position_metrics` [n_scored].
+    With ``spec`` the timed decode steps are also run speculatively (:func:`teacher_forced`); the
+    pass's :class:`PassResult` is appended to ``passes`` when given.
     """
     acc, timings = MetricsAccumulator(), []
-    for i, logits in teacher_forced(runner, base, decode_steps, timings, snaps):
+    for i, logits in teacher_forced(runner, base, decode_steps, timings, snaps, spec):
         acc.extend(base.position_metrics(i, logits))
     per_pos = acc.per_position()
     t = timings[0]
+    if passes is not None:
+        passes.append(t)
     out = acc.summary()
     out.update(
         # against the base's own teacher-forced argmax, not the stream: the stream came from

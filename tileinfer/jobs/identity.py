@@ -25,6 +25,9 @@ CONFIG = (
     "dtype",
     "backend",
     "spec",
+    "spec_k",
+    "spec_settings",
+    "spec_temperature",
 )
 # How it is scored: prompt, scored window, base side, and the runner settings that reorder sums.
 SCORING = (
@@ -52,8 +55,9 @@ DRIFT = CONFIG + SCORING
 # Columns renamed since rows were first written: old name -> new name (old rows still load).
 RENAMED = {"reference": "base", "ppl_ref": "ppl_base", "p_ref_mean": "p_base_mean"}
 # Identity columns added since: the value that means what rows written before them did (add_bos:
-# null, "not a setting", as for the built-in chat prompts; text files got no BOS then).
-ADDED = {"add_bos": None}
+# null, "not a setting", as for the built-in chat prompts; text files got no BOS then; the spec
+# settings: null, as for spec=none, the only proposer then).
+ADDED = {"add_bos": None, "spec_k": None, "spec_settings": None, "spec_temperature": None}
 
 
 def content_hash(value) -> str:

@@ -25,21 +25,24 @@ from evals.prompts import PROMPT_SETS, build_prompt, build_text_prompt, load_tex
 from quantize import QuantScheme, calibration_text
 from quantize import apply as apply_quant
 from tileinfer import ops
+from tileinfer.core import registry
 from tileinfer.core.checkpoint import Checkpoint, load_checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
 from tileinfer.core.fetch import pull, pull_source
-from tileinfer.core.registry import check_checkpoint_config
 from tileinfer.core.tokenizer import Tokenizer
 from tileinfer.engine.runner import ModelRunner, uses_cuda_graph
-from tileinfer.jobs import drift, identity, tables
+from tileinfer.jobs import drift, identity, spec, tables
 from tileinfer.jobs.resume import Snapshots
-from tileinfer.jobs.schema import Config
+from tileinfer.jobs.schema import QUANT_NAMES, Config, ModelGroup
 from tileinfer.models import Transformer
 
-_MODEL: dict = {}  # the last loaded BF16 model: {key: (checkpoint, tokenizer, Transformer)}
-_QUANTIZED: dict = {}  # the last quantized model built from it: {(model key, scheme): Transformer}
+# The last loaded BF16 models {key: Loaded} and quantized models built from them {(model id, scheme):
+# (Transformer, info)}: two of each, a target's and its draft model's.
+_MODEL: OrderedDict = OrderedDict()
+_QUANTIZED: OrderedDict = OrderedDict()
+_KEEP = 2
 _BASE_LOGITS: OrderedDict = OrderedDict()  # live base logits, LRU, bounded by _BASE_LOGITS_BYTES
 _BASE_LOGITS_BYTES = 6 << 30
 
@@ -96,17 +99,22 @@ def fit_ctx(cfg: Config, max_ctx: int) -> int:
 
 
 def model_fingerprint(cfg: Config, path: Path | None) -> str:
-    """The checkpoint's sha256 when its source names one, a hash of a random model's config and seed,
-    else a hash of its files' paths, sizes and modification times (cheap, and changes with them)."""
+    """The checkpoint's sha256 when its source names one (checked by the pull), a hash of a random
+    model's config and seed, else a sha256 of its files' contents (names and bytes; a local file
+    edited in place, whatever its size and time stamp, is another model)."""
     sha = cfg.model.source.get("sha256")
     if sha:
         return str(sha)
     if path is None:
         drawn = cfg.model.source["random"] | {"config": cfg.model.config}
         return hashlib.sha256(json.dumps(drawn, sort_keys=True).encode()).hexdigest()
-    files = sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file())
-    stamp = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    return hashlib.sha256(json.dumps(stamp).encode()).hexdigest()
+    h = hashlib.sha256()
+    for f in sorted(p for p in ([path] if path.is_file() else path.rglob("*")) if p.is_file()):
+        h.update(f.relative_to(path).as_posix().encode() + b"\0" if f != path else b"")
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 24):
+                h.update(block)
+    return h.hexdigest()
 
 
 @dataclass
@@ -123,9 +131,10 @@ class Loaded:
 def load_model(cfg: Config, device: torch.device) -> Loaded:
     """Pull and load the BF16 model (kept in memory for the next job of a multirun)."""
     key = (cfg.model.name, json.dumps([cfg.model.source, cfg.model.config], sort_keys=True), cfg.dtype, str(device))
-    if key not in _MODEL:
-        _MODEL.clear()
-        _QUANTIZED.clear()
+    if key in _MODEL:
+        _MODEL.move_to_end(key)
+    else:
+        _evict(_MODEL)
         dtype = getattr(torch, cfg.dtype)
         rnd = cfg.model.source.get("random")
         if rnd is not None:  # random weights with a real model's shapes, drawn on the device
@@ -145,7 +154,7 @@ def load_model(cfg: Config, device: torch.device) -> Loaded:
                     f"{path} is a quantized checkpoint (written by python -m quantize); a sweep quantizes "
                     "in memory: run it on the BF16 checkpoint with the quant config to evaluate"
                 )
-            check_checkpoint_config(cfg.model.name, ck.config, cfg.model.config)
+            registry.check_checkpoint_config(cfg.model.name, ck.config, cfg.model.config)
         model = Transformer.from_state_dict(ck.config, ck.state_dict, dtype=dtype, device=device)
         _MODEL[key] = Loaded(ck, Tokenizer.load(tok_path), model, model_fingerprint(cfg, path), device)
     return _MODEL[key]
@@ -156,14 +165,54 @@ def model_for(loaded: Loaded, scheme: QuantScheme) -> tuple[Transformer, dict]:
     if scheme.is_unquantized():
         return loaded.model, {}
     key = (loaded.model_id, scheme)
-    if key not in _QUANTIZED:
-        _QUANTIZED.clear()
+    if key in _QUANTIZED:
+        _QUANTIZED.move_to_end(key)
+    else:
+        _evict(_QUANTIZED)
         sd, info = apply_quant(loaded.checkpoint, None, scheme, loaded.tokenizer, progress=True, device=loaded.device)
         model = Transformer.from_state_dict(
             loaded.checkpoint.config, sd, dtype=loaded.model.dtype, device=loaded.device
         )
         _QUANTIZED[key] = (model, info)
     return _QUANTIZED[key]
+
+
+def _evict(cache: OrderedDict) -> None:
+    """Make room for one more entry in a model cache of :data:`_KEEP` (least recently used first)."""
+    while len(cache) >= _KEEP:
+        cache.popitem(last=False)
+
+
+def draft_model_group(name: str) -> ModelGroup:
+    """The model group of ``spec.draft_model``: a local checkpoint path, or a conf/model name.
+
+    Raises:
+        UserError: neither an existing path nor a known model.
+    """
+    path = Path(name).expanduser()
+    if path.exists():
+        return ModelGroup(path=str(path))
+    entry = registry.model_entry(name)
+    return ModelGroup(name=name, source=entry["source"], config=entry.get("config"))
+
+
+def draft_runner(cfg: Config, job: "Job") -> tuple[Tokenizer, ModelRunner]:
+    """The draft model of ``spec=draft`` (its tokenizer and runner): loaded like the target (kept in
+    memory for the next job), quantized as ``spec.draft_quant`` says, on the target's backend."""
+    weights, kv_cache = QUANT_NAMES[cfg.spec.draft_quant]
+    loaded = load_model(replace(cfg, model=draft_model_group(cfg.spec.draft_model)), job.loaded.device)
+    model, _ = model_for(loaded, QuantScheme(weights, kv_cache).effective())
+    limit = loaded.checkpoint.config.max_position_embeddings
+    runner = ModelRunner(
+        model,
+        backend=cfg.backend.name,
+        kv_int8=kv_cache == "int8",
+        max_seq_len=min(job.max_len + cfg.spec.k, limit),
+        page_size=cfg.kv.page_size,
+        prefill_chunk=cfg.kv.prefill_chunk,
+        cuda_graph=cfg.speed.cuda_graph,
+    )
+    return loaded.tokenizer, runner
 
 
 def add_bos(cfg: Config, tok: Tokenizer) -> bool:
@@ -187,8 +236,16 @@ def prompt_sets(cfg: Config, tok: Tokenizer, ctx_tokens: int) -> dict[str, list[
             logits and caches are named by prompt set).
     """
     out = {}
+    files = [n for n in cfg.eval.prompt_sets if n not in PROMPT_SETS]
+    if cfg.eval.add_bos is not None and not files:
+        raise UserError(
+            f"eval.add_bos={str(cfg.eval.add_bos).lower()} applies to prompt files; the built-in sets "
+            f"{', '.join(cfg.eval.prompt_sets)} follow their chat template"
+        )
     for name in cfg.eval.prompt_sets:
         key = name if name in PROMPT_SETS else Path(name).stem
+        if name not in PROMPT_SETS and key in PROMPT_SETS:
+            raise UserError(f"prompt file {name} has the name of the built-in prompt set {key!r}: rename the file")
         if key in out:
             raise UserError(f"prompt set {name} has the name {key!r} of another one: rename the file")
         if name in PROMPT_SETS:
@@ -215,6 +272,7 @@ class Job:
     base_scheme: QuantScheme
     ctx_tokens: int
     prompts: dict[str, list[list[int]]]
+    draft_sha: str | None = None  # the draft model's checkpoint hash (spec=draft)
 
     @property
     def max_len(self) -> int:
@@ -281,6 +339,9 @@ class Job:
                 dtype=c.dtype,
                 backend=c.backend.name,
                 spec=c.spec.name,
+                spec_k=None if c.spec.name == "none" else c.spec.k,
+                spec_settings=spec.settings_label(c.spec, self.draft_sha),
+                spec_temperature=None if c.spec.name == "none" else c.spec.temperature,
                 ctx=c.ctx.name,
                 ctx_tokens=self.ctx_tokens,
                 prompt_set=prompt_set,
@@ -400,6 +461,14 @@ def resolve(cfg: Config) -> Job:
     job = Job(
         cfg, loaded, scheme, base_backend, base_scheme, ctx_tokens, prompt_sets(cfg, loaded.tokenizer, ctx_tokens)
     )
+    room = job.max_len - ctx_tokens
+    if cfg.spec.name != "none" and cfg.spec.k >= room:
+        raise UserError(
+            f"spec.k={cfg.spec.k} drafts do not fit the {room} positions after the prompt "
+            "(eval.n_score / speed.decode_tokens): lower spec.k"
+        )
+    if cfg.spec.name == "draft":
+        job.draft_sha = load_model(replace(cfg, model=draft_model_group(cfg.spec.draft_model)), device).model_id
     if cfg.base.source == "stored":  # portable: whichever backend recorded them (the reference backend first)
         streams = [job.stored_stream(s, i) for s, ps in job.prompts.items() for i in range(len(ps))]
         job.base_backend = base_logits.stored_backend(cfg.base.dir, cfg.model.name, streams, cfg.base.backend)
@@ -419,16 +488,26 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
     device = job.loaded.device
     cand_runner, _ = job.runner(job.cfg.backend.name, job.scheme)
     base_runner = None if cfg.base.source == "stored" else job.runner(job.base_backend, job.base_scheme)[0]
+    draft = draft_runner(job.cfg, job) if cfg.spec.name == "draft" else None
+    speculation = spec.speculation(job.cfg.spec, cand_runner, job.loaded.tokenizer, draft)
     for set_name, path in missing.items():
         t0 = time.perf_counter()
         base = job.base_logits(set_name, base_runner)
         if cfg.speed.warmup:
-            drift.warm_up(cand_runner, base[0])
+            drift.warm_up(cand_runner, base[0], speculation)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         ops.reset_fallbacks()
-        snaps = [job.snapshots(path, i) for i in range(len(base))]
-        results = [drift.score(cand_runner, b, cfg.speed.decode_tokens, s) for b, s in zip(base, snaps, strict=True)]
+        # a proposer fed the target's hidden states needs the whole prefill: no resume snapshots
+        hidden = speculation is not None and speculation.proposer.hidden_layers
+        snaps = [Snapshots(None) if hidden else job.snapshots(path, i) for i in range(len(base))]
+        passes: list[drift.PassResult] = []
+        results = [
+            drift.score(cand_runner, b, cfg.speed.decode_tokens, s, speculation, passes)
+            for b, s in zip(base, snaps, strict=True)
+        ]
+        greedy = cfg.spec.temperature == 0
+        spec_cols = spec.columns([spec.pass_columns(t, greedy) for t in passes] if speculation else None)
         row = tables.make_row(
             keys[set_name],
             results,
@@ -439,6 +518,7 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
             kl_estimate="exact" if isinstance(base[0], FullLogits) else f"topk{base[0].k}+tail",
             fallbacks=ops.fallbacks(),
             replies=[b.tokens[b.prompt_len :].tolist() for b in base],
+            extra=spec_cols,
         )
         tables.write_row(path, row, {k: torch.cat([r[1][k] for r in results]) for k in ("kl", "top1_agree", "dp")})
         if row["degenerate"]:

@@ -65,9 +65,20 @@ class ModelGroup:
             )
 
 
+# The shipped quant configs (conf/quant/NAME.yaml): name -> (weights, kv_cache). Rows, file names and
+# tables are labelled by the name, so a name must say what the weights and the cache are.
+QUANT_NAMES = {
+    "bf16": ("bf16", "bf16"),
+    "int8_weights": ("int8", "bf16"),
+    "int8_kv": ("bf16", "int8"),
+    "int8_both": ("int8", "int8"),
+}
+
+
 @dataclass
 class QuantGroup:
-    """``conf/quant/NAME.yaml``: a named :class:`quantize.QuantScheme`."""
+    """``conf/quant/NAME.yaml``: a named :class:`quantize.QuantScheme`. A shipped name must match its
+    weights and kv_cache (``quant=bf16 quant.weights=int8`` is ``quant=int8_weights``)."""
 
     name: str = MISSING
     weights: str = _choice(MISSING, *PRECISIONS)  # int8: symmetric, one float32 scale per output channel
@@ -76,6 +87,16 @@ class QuantGroup:
     smooth_alpha: float = _num(DEFAULT_ALPHA, 0.0, 1.0)  # s = max|k|^alpha, rounded to a power of two
     calibration: Optional[str] = None  # text file for the key-smoothing calibration; None: built-in text
     calibration_tokens: int = _num(DEFAULT_CALIBRATION_TOKENS, 1)  # tokens of that text run to calibrate
+
+    def __post_init__(self):
+        want = QUANT_NAMES.get(self.name)
+        have = (self.weights, self.kv_cache)
+        if want is not None and want != have and set(have) <= set(PRECISIONS):  # else the range check says it
+            right = next((n for n, wk in QUANT_NAMES.items() if wk == have), None)
+            raise UserError(
+                f"quant={self.name} means weights={want[0]} kv_cache={want[1]}, not weights={have[0]} "
+                f"kv_cache={have[1]}" + (f": use quant={right}" if right else "")
+            )
 
     def scheme(self) -> QuantScheme:
         """The effective scheme (smoothing dropped where it cannot act)."""
@@ -119,9 +140,35 @@ class BackendGroup:
 
 @dataclass
 class SpecGroup:
-    """Speculative decoding (``conf/spec``): only ``none`` (plain decoding) so far."""
+    """Speculative decoding (``conf/spec/NAME.yaml``): the proposer and its settings.
 
-    name: str = _choice("none", "none")
+    ``none``: plain decoding. ``ngram``: prompt lookup (``min_n``..``max_n``-token suffixes).
+    ``draft``: the model ``draft_model`` (a conf/model name or a local checkpoint path) with the quant
+    config ``draft_quant``. ``dflash``: the DFlash drafter at ``dflash`` (a folder or a Hugging Face
+    repo id). ``k``: most tokens drafted per round. ``temperature`` 0 verifies greedily, above 0 by
+    rejection sampling (seeded by ``seed``).
+    """
+
+    name: str = _choice("none", "none", "ngram", "draft", "dflash")
+    k: int = _num(7, 1)
+    min_n: int = _num(5, 1)
+    max_n: int = _num(5, 1)
+    draft_model: Optional[str] = None
+    draft_quant: str = _choice("bf16", *QUANT_NAMES)
+    dflash: Optional[str] = None
+    temperature: float = _num(0.0, 0.0)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_n < self.min_n:
+            raise UserError(f"spec.max_n={self.max_n} is below spec.min_n={self.min_n}")
+        if self.name == "draft" and not self.draft_model:
+            raise UserError("spec=draft needs spec.draft_model=NAME (a conf/model name or a local checkpoint path)")
+        if self.name == "dflash" and not self.dflash:
+            raise UserError(
+                "spec=dflash needs spec.dflash=FOLDER_OR_REPO (a DFlash drafter: a folder with config.json and "
+                "model.safetensors, or a Hugging Face repo id such as z-lab/Qwen3-4B-DFlash-b16)"
+            )
 
 
 @dataclass
@@ -157,6 +204,12 @@ class SpeedSettings:
     cuda_graph: bool = True  # decode steps replay a captured CUDA graph (triton/cutile on CUDA only)
 
 
+# Logits: a greedy speculative reply that parts from the plain one where the target's top-1 led its
+# top-2 by at most this is a near-tie (a verify step rounds differently from a decode step), beyond
+# it a bug. The gate's default (gate.spec_tie_margin); the report and printed tables mark rows by it.
+SPEC_TIE_MARGIN = 0.1
+
+
 @dataclass
 class GateSettings:
     """``conf/gate.yaml``'s ``gate``: see tileinfer.gate."""
@@ -167,6 +220,7 @@ class GateSettings:
     max_increase: Any = _num(MISSING, -1.0)  # < 0 demands an improvement
     floor: dict[str, Any] = MISSING  # {kl_mean, kl_p999}
     max_top1_drop: Any = _num(MISSING, 0.0, 1.0)
+    spec_tie_margin: float = _num(SPEC_TIE_MARGIN, 0.0)  # logits: a speculative mismatch within it is a near-tie
 
     def __post_init__(self):
         check_ranges(self, "gate.")

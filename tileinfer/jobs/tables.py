@@ -21,6 +21,7 @@ import torch
 from evals.metrics import DEGENERATE_REPEAT, repeated_ngram_fraction, summarize
 from tileinfer.core import files
 from tileinfer.jobs.identity import ADDED, IDENTITY, RENAMED
+from tileinfer.jobs.schema import SPEC_TIE_MARGIN
 
 # Columns shown when a table is printed (all columns are saved).
 SHOWN = [
@@ -38,6 +39,13 @@ SHOWN = [
     "n_scored",
     "prefill_tok_s",
     "decode_tok_s",
+    # speculative decoding (shown where a row speculates: write_summary): proposer, mean acceptance
+    # length, speed-up over plain decoding and whether the greedy reply stayed the plain one
+    "spec",
+    "spec_k",
+    "spec_acceptance_length",
+    "spec_speedup",
+    "spec_exact",
 ]
 REPO = Path(__file__).resolve().parents[2]  # the checkout (site-packages when installed: commit unknown)
 
@@ -73,6 +81,7 @@ def make_row(
     kl_estimate: str,
     fallbacks: list[str],
     replies: list[list[int]],
+    extra: dict | None = None,
 ) -> dict:
     """One table row from the :func:`tileinfer.jobs.drift.score` results of a prompt set's prompts.
 
@@ -89,6 +98,7 @@ def make_row(
             (:func:`evals.metrics.repeated_ngram_fraction`), and ``degenerate`` flags a window above
             :data:`evals.metrics.DEGENERATE_REPEAT` (a reply stuck in a loop is trivially
             predictable, so its KL understates the drift on real text).
+        extra: more columns, placed after the speeds (the speculative decoding columns).
 
     Statistics are taken over the positions of all prompts together; speeds are means over prompts.
     """
@@ -105,6 +115,7 @@ def make_row(
         **key,
         "n_prompts": len(results),
         **stats,
+        **(extra or {}),
         "reply_repeat_frac": repeat,
         "degenerate": repeat > DEGENERATE_REPEAT,
         "weights_bytes": weights_bytes,
@@ -138,12 +149,18 @@ def atomic_parquet(df: pl.DataFrame, path: Path) -> None:
 
 
 def write_row(path: Path, row: dict, per_position: dict[str, torch.Tensor]) -> None:
-    """Write the per-position table, then the row (the row's presence marks the job done)."""
+    """Write the per-position table, then the row (the row's presence marks the job done); when the
+    row cannot be written, the per-position table is removed again (no orphan beside no row)."""
     pos = pl.DataFrame(
         {"position": list(range(len(per_position["kl"])))} | {k: v.cpu().numpy() for k, v in per_position.items()}
     )
-    atomic_parquet(pos, path.with_suffix(".positions.parquet"))
-    atomic_parquet(pl.DataFrame([row]), path)
+    pos_path = path.with_suffix(".positions.parquet")
+    atomic_parquet(pos, pos_path)
+    try:
+        atomic_parquet(pl.DataFrame([row]), path)
+    except BaseException:
+        pos_path.unlink(missing_ok=True)
+        raise
 
 
 def is_complete_row(path: Path) -> bool:
@@ -300,11 +317,73 @@ def print_table(df: pl.DataFrame, where=None) -> None:
     repetition of the scored reply, a warning naming degenerate windows (:func:`degenerate_note`),
     and where the rows are.
 
+    When a row speculates (``spec`` other than ``none``), the table is one row per proposer setting
+    too and trades 99% KL, top-1 agreement and greedy agreement length (the same as the plain row's)
+    for ``spec``, ``spec_k``, ``acc_len`` (mean acceptance length), ``speedup`` (over the plain decode
+    speed shown) and ``exact`` (``yes``: the greedy speculative reply is the plain one; ``tie@N``: it
+    first differs at step N where the target's top two logits were within SPEC_TIE_MARGIN, rounding; ``NO@N``:
+    a wider margin, a bug, also named in a warning).
+
     Args:
         df: rows (:func:`make_row`).
         where: the folder of the rows, or their files (their common folder is named); None: not said.
     """
-    head, table = _printed(df)
+    spec = pl.col("spec").cast(pl.String).fill_null("none") if "spec" in df.columns else None
+    mismatch = None
+    if spec is None or not df.select(spec.ne("none").any()).item():
+        head, table = _printed(df)
+        note = degenerate_note(df)
+    else:
+        near_tie = SPEC_TIE_MARGIN
+        order = ["none", "ngram", "draft", "dflash"]
+        df = df.with_columns(spec).sort(
+            [c for c in ("model", "ctx_tokens", "ctx", "prompt_set", "quant") if c in df.columns]
+            + [pl.col("spec").replace_strict(order, list(range(len(order))), default=len(order)), "spec"]
+            + [c for c in ("spec_k", "spec_settings", "spec_temperature") if c in df.columns],
+            maintain_order=True,
+        )
+        cells, bad = {"spec_k": [], "acc_len": [], "speedup": [], "exact": []}, 0
+        cols = ["spec_k", "spec_acceptance_length", "spec_speedup", "spec_exact", "spec_first_mismatch"]
+        cols = [pl.col(c) if c in df.columns else pl.lit(None).alias(c) for c in [*cols, "spec_mismatch_margin"]]
+        for name, k, length, speedup, exact, step, margin in df.select("spec", *cols).iter_rows():
+            plain = name == "none"
+            for c, v in (("spec_k", k), ("acc_len", length), ("speedup", speedup)):
+                cells[c].append("" if plain or v is None else f"{v}" if c == "spec_k" else f"{v:.2f}")
+            if plain or exact is None:
+                cells["exact"].append("" if plain else "–")  # sampled, or not measured
+            elif exact:
+                cells["exact"].append("yes")
+            else:
+                tie = margin is not None and margin <= near_tie  # an unknown or NaN margin is no tie
+                cells["exact"].append(("tie" if tie else "NO") + ("" if step is None else f"@{step}"))
+                bad += not tie
+        note = degenerate_note(  # once per configuration: its speculative rows score the same reply
+            df.unique(
+                [c for c in ("model", "quant", "smooth_keys", "ctx", "prompt_set", "backend") if c in df.columns],
+                keep="first",
+                maintain_order=True,
+            )
+        )
+        df = df.with_columns(pl.Series(c, v, dtype=pl.String) for c, v in cells.items()).with_row_index("_row")
+        # the identity columns that vary, mean KL and decode speed, the speculation, the repetition
+        labelled = _quant_label(df)
+        ident = [c for c in PRINTED_IDENTITY if c in df.columns]
+        constant = [c for c in ident if labelled[c].n_unique() == 1]
+        shown = [c for c in ident if c not in constant] + ["kl_mean", "decode_tok_s", "spec", *cells]
+        if {"degenerate", "reply_repeat_frac"} & set(df.columns):
+            rep = [
+                (pl.col(c) if c in df.columns else pl.lit(None)).alias(c) for c in ("reply_repeat_frac", "degenerate")
+            ]
+            repeat = [_repeat(f, d) for f, d in df.select(rep).iter_rows()]
+            labelled = labelled.with_columns(repeat=pl.Series(repeat, dtype=pl.String))
+            shown.append("repeat")
+        head = " ".join(f"{c}={labelled[c][0]}" for c in constant)
+        table = _fmt(labelled, [*shown, "_row"]).sort("_row").drop("_row")
+        if bad:  # named by the table's NO@N
+            mismatch = (
+                f"{bad} speculative row(s) left the plain greedy reply where its top two logits were "
+                f"more than {near_tie:g} apart (NO@step)"
+            )
     with pl.Config(
         tbl_rows=-1,
         tbl_cols=-1,
@@ -313,15 +392,21 @@ def print_table(df: pl.DataFrame, where=None) -> None:
         tbl_width_chars=PRINT_WIDTH,
         fmt_str_lengths=40,
     ):
-        note = degenerate_note(df)
-        print("\n".join(line for line in (head, str(table), note and f"warning: {note}") if line))
+        lines = (head, str(table), note and f"warning: {note}", mismatch and f"warning: {mismatch}")
+        print("\n".join(line for line in lines if line))
     if where is not None:
         folders = [where] if isinstance(where, (str, Path)) else [Path(p).parent for p in where]
         print(f"{len(df)} row(s) in {os.path.commonpath(folders)}")
 
 
 def write_summary(df: pl.DataFrame, out_dir: Path) -> None:
-    """Save ``df`` as ``summary.parquet`` and ``summary.md`` in ``out_dir`` (atomically)."""
+    """Save ``df`` as ``summary.parquet`` and ``summary.md`` in ``out_dir`` (atomically). The Markdown
+    table shows the speculative decoding columns of :data:`SHOWN` only when a row speculates."""
     out_dir = Path(out_dir)
     atomic_parquet(df, out_dir / "summary.parquet")
-    files.write_text(out_dir / "summary.md", to_markdown(df) + "\n")
+    spec = [c for c in SHOWN if c.startswith("spec") and c in df.columns]
+    if "spec" in df.columns and df["spec"].cast(pl.String).fill_null("none").ne("none").any():
+        md = df.with_columns(pl.col(c).round(3) for c in spec if df[c].dtype.is_float())
+    else:
+        md = df.drop(spec)
+    files.write_text(out_dir / "summary.md", to_markdown(md) + "\n")

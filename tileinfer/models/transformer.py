@@ -183,12 +183,18 @@ class Transformer:
         kv: PagedKVCache,
         block_table: torch.Tensor,
         logit_rows: torch.Tensor | slice | None = None,
-    ) -> torch.Tensor:
+        capture: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run tokens [T] at positions [T] of one sequence; return float32 logits [R, vocab].
 
         ``ops`` is a backend module (tileinfer.ops.*). Keys and values of the T positions are written
         to ``kv`` through ``block_table`` before attention reads them. ``logit_rows`` picks which of
         the T rows get logits (all when None) so prefill can skip the lm_head for unscored rows.
+
+        ``capture`` names layers whose outputs (the residual stream after the layer, transformers'
+        ``hidden_states[i + 1]``) are returned too, concatenated in that order: the call then returns
+        ``(logits, hidden)`` with hidden [T, len(capture) * hidden_size] in the model dtype, for a
+        drafter conditioned on the target's hidden states (DFlash).
         """
         c = self.config
         T = tokens.shape[0]
@@ -196,6 +202,7 @@ class Transformer:
         sm_scale = d**-0.5
         x = ops.embedding(tokens, self.embed)
         residual = None
+        captured = {}
         for i, L in enumerate(self.layers):
             if residual is None:
                 hs, residual = ops.rms_norm(x, L.input_norm, eps), x
@@ -220,7 +227,12 @@ class Transformer:
             x = ops.linear(o.reshape(T, h * d), L.o_proj, L.o_bias)
             hs, residual = ops.add_rms_norm(x, residual, L.post_norm, eps)
             x = ops.linear(ops.swiglu(hs, L.gate_up_proj), L.down_proj)
+            if i in capture:  # the sum the next add_rms_norm forms, rounded the same way
+                captured[i] = x + residual
         hs, _ = ops.add_rms_norm(x, residual, self.norm, eps)
         if logit_rows is not None:
             hs = hs[logit_rows]
-        return ops.lm_head(hs, self.lm_head)
+        logits = ops.lm_head(hs, self.lm_head)
+        if not capture:
+            return logits
+        return logits, torch.cat([captured[i] for i in capture], dim=-1)

@@ -249,6 +249,13 @@ def sample(
     always kept. ``generator`` seeds the draw. Returns int64 [T]. Follows the order of vLLM's and
     transformers' samplers (Holtzman et al., 2020 for top-p).
     """
+    return torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), 1, generator=generator).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution :func:`sample` draws from: float32 [T, vocab] probabilities (zero outside the
+    top-k / top-p set) for logits [T, vocab]; what speculative decoding's rejection sampler must
+    reproduce."""
     logits = logits.float() / max(temperature, 1e-6)
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
@@ -259,5 +266,4 @@ def sample(
         drop = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already reaches p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(-1)

@@ -1,0 +1,150 @@
+"""Speculative decoding in the sweep: rows with acceptance, speed-up and exactness; the gate's check;
+bad settings refused in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import polars as pl
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from tileinfer import gate
+from tileinfer.core.errors import UserError
+from tileinfer.engine.proposers import check_same_vocab
+from tileinfer.jobs import job, schema, spec
+
+schema.register()
+GATE = OmegaConf.load("conf/gate.yaml").gate
+SMALL = [
+    "model=smollm2-135m",
+    "quant=bf16",
+    "ctx.tokens=192",
+    "eval.n_score=24",
+    "speed.decode_tokens=40",
+    f"eval.prompt_sets=[{Path(__file__).resolve().parents[1] / 'evals/data/stdlib/statistics.py.txt'}]",
+    "speed.warmup=false",
+]
+
+
+def load(*overrides):
+    with initialize_config_module("tileinfer.conf", version_base="1.3"):
+        return schema.load(compose("config", list(overrides)))
+
+
+def one_row(tmp_path, *overrides) -> dict:
+    (path,) = job.run(load(*SMALL, f"runs_dir={tmp_path}", *overrides))
+    return pl.read_parquet(path).row(0, named=True)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["spec=ngram", "spec.min_n=2", "spec.max_n=4", "dtype=float32"],
+        ["spec=draft", "spec.draft_model=smollm2-135m", "spec.draft_quant=int8_weights", "spec.k=4", "dtype=float32"],
+        ["spec=ngram", "spec.min_n=2", "spec.max_n=4"],
+    ],
+    ids=["ngram-float32", "draft-float32", "ngram-bfloat16"],
+)
+def test_a_speculative_row_has_acceptance_speedup_and_is_exact(tmp_path, smollm2_gguf, overrides):
+    """In float32 the speculative reply equals the plain one token for token. In BF16 a verify step
+    rounds differently from a decode step: the reply may part at a near-tie (measured: step 17 of 40,
+    top-1/top-2 margin 0.018 logits), which the gate accepts below gate.spec_tie_margin."""
+    r = one_row(tmp_path, *overrides)
+    assert r["spec"] == overrides[0].split("=")[1] and r["spec_k"] == load(*overrides).spec.k
+    if "dtype=float32" in overrides:
+        assert r["spec_exact"] is True and r["spec_first_mismatch"] is None
+    else:
+        assert r["spec_exact"] or r["spec_mismatch_margin"] <= schema.SPEC_TIE_MARGIN
+    assert r["spec_drafts"] > 0 and 0 < r["spec_accepted_tokens"] <= r["spec_drafted_tokens"]
+    assert r["spec_acceptance_rate"] == pytest.approx(r["spec_accepted_tokens"] / r["spec_drafted_tokens"])
+    assert r["spec_acceptance_length"] == pytest.approx(1 + r["spec_accepted_tokens"] / r["spec_drafts"])
+    assert len(r["spec_acceptance_at"]) == r["spec_k"] and len(r["spec_histogram"]) == r["spec_k"] + 1
+    assert sum(r["spec_histogram"]) == r["spec_drafts"]
+    assert r["spec_decode_tok_s"] > 0 and r["spec_speedup"] == pytest.approx(
+        r["spec_decode_tok_s"] / r["decode_tok_s"], rel=1e-6
+    )
+    if overrides[0] == "spec=draft":  # the model drafting for itself (INT8 weights): nearly all accepted
+        assert r["spec_acceptance_rate"] > 0.7 and "draft=smollm2-135m@" in r["spec_settings"]
+    plain = one_row(tmp_path)  # the same job without speculation: another row, no spec columns
+    assert plain["spec"] == "none" and plain["spec_k"] is None and plain["spec_exact"] is None
+
+
+def test_the_gate_fails_a_wide_margin_mismatch_only():
+    base = dict(prompt_set="edit", spec_exact=True, spec_mismatch_margin=None)
+    (ok,) = gate.spec_checks(base, GATE)
+    assert ok["verdict"] == gate.PASS and ok["candidate"] == 0.0
+    tie = gate.spec_checks(base | dict(spec_exact=False, spec_mismatch_margin=schema.SPEC_TIE_MARGIN), GATE)
+    assert tie[0]["verdict"] == gate.PASS  # on the bound: a near-tie
+    wide = gate.spec_checks(base | dict(spec_exact=False, spec_mismatch_margin=2.5), GATE)
+    assert wide[0]["verdict"] == gate.FAIL
+    assert gate.spec_checks(dict(prompt_set="edit"), GATE) == []  # rows without speculation
+    assert gate.spec_checks(base | dict(spec_exact=None), GATE) == []  # sampled: no exactness check
+
+
+def test_pass_columns_find_the_first_mismatch_and_its_margin():
+    stats = SimpleNamespace(
+        k=2, drafts=1, drafted_tokens=2, accepted_tokens=1, target_forwards=3, new_tokens=4,
+        drafted_at=[1, 1], accepted_at=[1, 0], histogram=[0, 1, 0], draft_s=0.001, verify_s=0.002,
+    )  # fmt: skip
+    t = SimpleNamespace(
+        spec=SimpleNamespace(reply=SimpleNamespace(tokens=[5, 6, 9, 8], stats=stats), seconds=0.5),
+        decoded=[5, 6, 7, 8],
+        margins=[3.0, 2.0, 0.04, 1.0],
+        decode_s=1.0,
+        decode_steps=4,
+    )
+    cols = spec.columns([spec.pass_columns(t, greedy=True)])
+    assert cols["spec_exact"] is False and cols["spec_first_mismatch"] == 2
+    assert cols["spec_mismatch_margin"] == 0.04 and cols["spec_speedup"] == 2.0
+    assert cols["spec_acceptance_at"] == [1.0, 0.0] and cols["spec_tokens_per_forward"] == pytest.approx(4 / 3)
+    assert spec.columns(None) == dict.fromkeys(spec.COLUMNS)
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    def tok(vocab):
+        return SimpleNamespace(backend=SimpleNamespace(get_vocab=lambda with_added_tokens: vocab))
+
+    check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "b": 1}), 2)
+    with pytest.raises(UserError, match="differs from the target's"):
+        check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "c": 1}), 2)
+    with pytest.raises(UserError, match="has 1 logits"):
+        check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "b": 1}), 1)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["spec=draft"], "spec=draft needs spec.draft_model"),
+        (["spec=dflash"], "spec=dflash needs spec.dflash"),
+        (["spec=ngram", "spec.min_n=4", "spec.max_n=2"], "spec.max_n=2 is below spec.min_n=4"),
+        (["spec=ngram", "spec.k=0"], "spec.k"),
+    ],
+)
+def test_bad_spec_settings_are_refused(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load(*overrides)
+
+
+def sweep(*args):
+    return subprocess.run([sys.executable, "-m", "tileinfer.sweep", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["spec=eagle"], "spec"),
+        (["spec=dflash", "spec.dflash=/nonexistent/drafter"], "does not exist"),
+        (["spec=ngram", "spec.k=100000"], "spec.k=100000 drafts do not fit"),
+        (["spec=draft", "spec.draft_model=no-such-model"], "unknown model 'no-such-model'"),
+    ],
+)
+def test_bad_spec_input_is_one_line_and_exits_non_zero(tmp_path, smollm2_gguf, args, message):
+    out = sweep(*SMALL, f"runs_dir={tmp_path}", *args)
+    assert out.returncode != 0 and message in out.stderr
+    assert "Traceback" not in out.stderr
+    assert len([line for line in out.stderr.splitlines() if "error" in line.lower()]) == 1
