@@ -53,13 +53,13 @@ def one_row(tmp_path, *overrides) -> dict:
 def test_a_speculative_row_has_acceptance_speedup_and_is_exact(tmp_path, smollm2_gguf, overrides):
     """In float32 the speculative reply equals the plain one token for token. In BF16 a verify step
     rounds differently from a decode step: the reply may part at a near-tie (measured: step 17 of 40,
-    top-1/top-2 margin 0.018 logits), which the gate accepts below gate.spec_tie_margin."""
+    top-1/top-2 margin 0.018 logits), which the gate accepts within gate.spec_tie_margin."""
     r = one_row(tmp_path, *overrides)
     assert r["spec"] == overrides[0].split("=")[1] and r["spec_k"] == load(*overrides).spec.k
     if "dtype=float32" in overrides:
         assert r["spec_exact"] is True and r["spec_first_mismatch"] is None
     else:
-        assert r["spec_exact"] or r["spec_mismatch_margin"] <= schema.SPEC_TIE_MARGIN
+        assert r["spec_exact"] or r["spec_mismatch_margin"] <= schema.tie_margin("bfloat16")
     assert r["spec_drafts"] > 0 and 0 < r["spec_accepted_tokens"] <= r["spec_drafted_tokens"]
     assert r["spec_acceptance_rate"] == pytest.approx(r["spec_accepted_tokens"] / r["spec_drafted_tokens"])
     assert r["spec_acceptance_length"] == pytest.approx(1 + r["spec_accepted_tokens"] / r["spec_drafts"])
@@ -75,13 +75,15 @@ def test_a_speculative_row_has_acceptance_speedup_and_is_exact(tmp_path, smollm2
 
 
 def test_the_gate_fails_a_wide_margin_mismatch_only():
-    base = dict(prompt_set="edit", spec_exact=True, spec_mismatch_margin=None)
+    base = dict(prompt_set="edit", dtype="bfloat16", spec_exact=True, spec_mismatch_margin=None)
     (ok,) = gate.spec_checks(base, GATE)
     assert ok["verdict"] == gate.PASS and ok["candidate"] == 0.0
-    tie = gate.spec_checks(base | dict(spec_exact=False, spec_mismatch_margin=schema.SPEC_TIE_MARGIN), GATE)
+    tie = gate.spec_checks(base | dict(spec_exact=False, spec_mismatch_margin=schema.tie_margin("bfloat16")), GATE)
     assert tie[0]["verdict"] == gate.PASS  # on the bound: a near-tie
     wide = gate.spec_checks(base | dict(spec_exact=False, spec_mismatch_margin=2.5), GATE)
     assert wide[0]["verdict"] == gate.FAIL
+    f32 = gate.spec_checks(base | dict(dtype="float32", spec_exact=False, spec_mismatch_margin=0.5), GATE)
+    assert f32[0]["verdict"] == gate.FAIL  # float32 rounds a thousand times finer
     assert gate.spec_checks(dict(prompt_set="edit"), GATE) == []  # rows without speculation
     assert gate.spec_checks(base | dict(spec_exact=None), GATE) == []  # sampled: no exactness check
 

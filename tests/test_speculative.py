@@ -108,6 +108,29 @@ def test_ngram_proposer_prefers_the_longest_match():
     assert NgramProposer(1, 2).propose(tokens, 2) == [5, 1]
 
 
+def naive_ngram(tokens, min_n, max_n, k):
+    """The rule written out by hand: longest n first, earliest earlier occurrence."""
+    total = len(tokens)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        for p in range(total - n):
+            if tokens[p : p + n] == tokens[total - n :]:
+                return tokens[p + n : p + n + k]
+    return []
+
+
+def test_ngram_index_grown_token_by_token_equals_the_rule():
+    """The proposer indexes n-grams as the sequence grows; at every length its proposal equals the
+    rule applied afresh, and a sequence that is not an extension rebuilds the index."""
+    g = torch.Generator().manual_seed(7)
+    for trial in range(4):
+        tokens = torch.randint(0, 4, (300,), generator=g).tolist()  # a small alphabet: many matches
+        p = NgramProposer(2, 4)
+        for end in range(1, len(tokens)):
+            assert p.propose(tokens[:end], 5) == naive_ngram(tokens[:end], 2, 4, 5), (trial, end)
+        other = tokens[::-1][:50]
+        assert p.propose(other, 5) == naive_ngram(other, 2, 4, 5)
+
+
 def test_ngram_defaults_are_vllms():
     p = NgramProposer()
     assert (p.min_n, p.max_n) == (5, 5)

@@ -117,13 +117,14 @@ def kernel_checks(row: dict, gate) -> list[dict]:
 
 def spec_checks(row: dict, gate) -> list[dict]:
     """A speculative row verified greedily: its reply equals the plain greedy reply, or differs first
-    at a near-tie (the target's top-1 minus top-2 logit there at most ``gate.spec_tie_margin``).
+    at a near-tie (the target's top-1 minus top-2 logit there at most ``gate.spec_tie_margin`` of the
+    row's dtype).
     The candidate value is that margin, 0 for an exact reply; rows without the check give none."""
     if row.get("spec_exact") is None:
         return []
     margin = 0.0 if row["spec_exact"] else row["spec_mismatch_margin"]
     margin = float("inf") if margin is None else margin  # a mismatch without a margin: a length mismatch
-    bound = gate.get("spec_tie_margin", schema.SPEC_TIE_MARGIN)
+    bound = schema.tie_margin(row.get("dtype"), gate.get("spec_tie_margin"))
     return [_verdict("spec", row["prompt_set"], "mismatch margin", None, margin, bound)]
 
 

@@ -67,9 +67,6 @@ DETERMINED = (
 SETUP = [c for c in identity.IDENTITY if c not in (*GROUP, *CONFIG, *SPEC, *DETERMINED)]
 QUANT_ORDER = ["bf16", "int8_weights", "int8_kv", "int8_both"]
 SPEC_ORDER = ["none", "ngram", "draft", "dflash"]
-# Logits: a greedy speculative reply that first leaves the plain one where the target's top-1 leads its
-# top-2 by at most this is a near-tie (rounding between the verify and the decode path), by more a mismatch (a bug).
-NEAR_TIE = schema.SPEC_TIE_MARGIN
 DFLASH_NOTE = (
     "Acceptance figures of `dflash` rows need a real drafter checkpoint; random drafter weights give "
     "near-zero acceptance."
@@ -373,7 +370,8 @@ def _finite(value) -> bool:
 
 def exact_cell(r: dict) -> str:
     """Whether a greedy speculative reply equals the plain one: ``yes``; ``no at step 12, margin 0.031:
-    near-tie`` (the target's top-1 led its top-2 by at most :data:`NEAR_TIE` logits there: rounding);
+    near-tie`` (the target's top-1 led its top-2 by at most ``schema.tie_margin`` of the row's dtype there:
+    rounding);
     ``**no at step 3, margin 4.2: MISMATCH**`` (a wider margin, or none known: a bug); ``– (sampled)``
     when verification samples (nothing to compare); ``–`` for a plain row."""
     if r["spec"] == "none":
@@ -386,7 +384,9 @@ def exact_cell(r: dict) -> str:
     at = "no" + (f" at step {step}" if step is not None else "")
     if not _finite(margin):
         return f"**{at}, margin ?: MISMATCH**"
-    return f"{at}, margin {margin:.3g}: near-tie" if margin <= NEAR_TIE else f"**{at}, margin {margin:.3g}: MISMATCH**"
+    if margin <= schema.tie_margin(r.get("dtype")):
+        return f"{at}, margin {margin:.3g}: near-tie"
+    return f"**{at}, margin {margin:.3g}: MISMATCH**"
 
 
 def _proposer(r: dict) -> str:
@@ -551,7 +551,9 @@ def spec_section(group: pl.DataFrame, title: str, slug: list, out_dir: Path) -> 
         "1 + accepted/drafts (vLLM's); tokens per target forward is new tokens over forwards of the target "
         "model; draft and verify ms are per target step. Exact: whether the greedy speculative reply equals "
         "the plain greedy one, else the first step where it differs and the target's top-1 minus top-2 logit there "
-        f"(up to {NEAR_TIE:g}: a near-tie, rounding; above: a MISMATCH, a bug).",
+        "(up to the near-tie margin of the model dtype, "
+        + ", ".join(f"{d} {m:g}" for d, m in schema.SPEC_TIE_MARGIN.items())
+        + " logits: rounding between the verify and the decode path; above: a MISMATCH, a bug).",
     ]
     for (prompt_set,), rs in group.group_by("prompt_set", maintain_order=True):
         if rs["spec"].ne("none").any():

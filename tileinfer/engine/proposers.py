@@ -8,7 +8,6 @@ vLLM's: proposer, draft, acceptance.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from tileinfer.core.errors import UserError
@@ -61,20 +60,31 @@ class NgramProposer(Proposer):
         if min_n < 1 or max_n < min_n:
             raise UserError(f"spec.min_n={min_n}, spec.max_n={max_n}: need 1 <= min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n
+        self.begin([])
+
+    def begin(self, prompt: list[int]) -> None:
+        # n-gram -> its earliest start, for every n-gram with a token after it: a proposal then costs
+        # one lookup per n, not a scan of the context (0.2 ms at 8k tokens, 5-8% of a Qwen3-4B step)
+        self._seen: list[int] = []
+        self._first: dict[tuple[int, ...], int] = {}
+
+    def _index(self, tokens: list[int]) -> None:
+        """Extend the index to ``tokens`` (rebuilt when they do not extend the tokens seen so far)."""
+        if tokens[: len(self._seen)] != self._seen:
+            self.begin([])
+        old, total = len(self._seen), len(tokens)
+        for end in range(max(old, 1), total):  # n-grams ending at end - 1: a token follows them
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self._first.setdefault(tuple(tokens[end - n : end]), end - n)
+        self._seen = list(tokens)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        t = np.asarray(tokens, dtype=np.int64)
-        total = t.shape[0]
+        self._index(tokens)
+        total = len(tokens)
         for n in range(min(self.max_n, total - 1), self.min_n - 1, -1):
-            # candidate starts p < total - n (an earlier occurrence, so at least one token follows it)
-            starts = total - n
-            match = np.ones(starts, dtype=bool)
-            for j in range(n):
-                match &= t[j : j + starts] == t[total - n + j]
-            hits = np.flatnonzero(match)
-            if hits.size:
-                first = int(hits[0]) + n
-                return t[first : first + k].tolist()
+            p = self._first.get(tuple(tokens[total - n :]))
+            if p is not None:
+                return list(tokens[p + n : p + n + k])
         return []
 
 
@@ -115,7 +125,7 @@ class DraftModelProposer(Proposer):
         if k < 1:
             return []
         self.seq.truncate(same)
-        logits = self.runner.step(self.seq, torch.tensor(tokens[same:]), slice(-1, None))[0]
+        logits = self.runner.verify(self.seq, tokens[same:])[-1]  # a captured graph for a short catch-up
         out = [int(self.runner.ops.argmax(logits[None])[0])]
         for _ in range(k - 1):
             out.append(int(self.runner.ops.argmax(self.runner.decode(self.seq, out[-1])[None])[0]))

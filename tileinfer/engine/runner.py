@@ -20,6 +20,10 @@ from tileinfer.core.progress import progress_bar
 from tileinfer.models import Transformer
 from tileinfer.ops import get_backend
 
+# Most tokens of a step replayed from a CUDA graph: the fast backends' attention runs steps of up to 16
+# tokens on the split-KV decode kernels, which read every position from the device (capturable).
+GRAPH_MAX_TOKENS = 16
+
 
 def uses_cuda_graph(requested: bool, device: torch.device, ops) -> bool:
     """Whether decode replays a CUDA graph: requested, on CUDA, and the backend module ``ops`` is
@@ -158,12 +162,12 @@ class ModelRunner:
     def verify(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
         """One step over a few ``tokens`` (a decode step, or speculative decoding's verify step of the
         pending token plus the drafts); float32 logits [len(tokens), vocab]. Replays the captured CUDA
-        graph of that many tokens when the runner uses graphs (one graph per token count, captured
-        on first use); attention then runs the split-KV decode kernels, which read positions on the
-        device."""
-        if not self.cuda_graph:
-            return self.step(seq, torch.tensor(tokens))
+        graph of that many tokens when the runner uses graphs (one graph per token count up to
+        :data:`GRAPH_MAX_TOKENS`, captured on first use); attention then runs the split-KV decode
+        kernels, which read positions on the device. Longer runs of tokens take an eager step."""
         T = len(tokens)
+        if not self.cuda_graph or T > GRAPH_MAX_TOKENS:
+            return self.step(seq, torch.tensor(tokens))
         self.check_length(seq, T)
         seq.reserve(T)
         if T not in self._graphs:

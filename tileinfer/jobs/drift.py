@@ -277,8 +277,9 @@ def full_logits(runner: ModelRunner, stream: Stream) -> FullLogits:
 
 
 def warm_up(runner: ModelRunner, stream, spec: Speculation | None = None) -> None:
-    """One short prefill and two decode steps (and a short speculative run with ``spec``), so
-    compilation, graph capture and allocation stay out of timings."""
+    """One short prefill and a decode step (with ``spec``: a verify step of every length up to k + 1,
+    whose CUDA graphs are captured then, and a short speculative run), so compilation, graph capture
+    and allocation stay out of timings."""
     seq = runner.new_sequence()
     try:
         n = min(stream.prompt_len, 2 * runner.prefill_chunk)
@@ -287,6 +288,10 @@ def warm_up(runner: ModelRunner, stream, spec: Speculation | None = None) -> Non
         for t in tokens[n:]:
             runner.decode(seq, t)
         if spec is not None:
+            if not spec.proposer.hidden_layers:  # a verify graph per draft length, captured untimed
+                for T in range(2, spec.k + 2):
+                    seq.truncate(n)
+                    runner.verify(seq, tokens[n:] * T)
             seq.truncate(n)
             spec.run(runner, seq, tokens, 2 * spec.k + 2)
         runner.synchronize()

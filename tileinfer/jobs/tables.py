@@ -21,7 +21,7 @@ import torch
 from evals.metrics import DEGENERATE_REPEAT, repeated_ngram_fraction, summarize
 from tileinfer.core import files
 from tileinfer.jobs.identity import ADDED, IDENTITY, RENAMED
-from tileinfer.jobs.schema import SPEC_TIE_MARGIN
+from tileinfer.jobs.schema import tie_margin
 
 # Columns shown when a table is printed (all columns are saved).
 SHOWN = [
@@ -321,7 +321,8 @@ def print_table(df: pl.DataFrame, where=None) -> None:
     too and trades 99% KL, top-1 agreement and greedy agreement length (the same as the plain row's)
     for ``spec``, ``spec_k``, ``acc_len`` (mean acceptance length), ``speedup`` (over the plain decode
     speed shown) and ``exact`` (``yes``: the greedy speculative reply is the plain one; ``tie@N``: it
-    first differs at step N where the target's top two logits were within SPEC_TIE_MARGIN, rounding; ``NO@N``:
+    first differs at step N where the target's top two logits were within the near-tie margin of the
+    row's dtype (``schema.tie_margin``), rounding; ``NO@N``:
     a wider margin, a bug, also named in a warning).
 
     Args:
@@ -334,7 +335,6 @@ def print_table(df: pl.DataFrame, where=None) -> None:
         head, table = _printed(df)
         note = degenerate_note(df)
     else:
-        near_tie = SPEC_TIE_MARGIN
         order = ["none", "ngram", "draft", "dflash"]
         df = df.with_columns(spec).sort(
             [c for c in ("model", "ctx_tokens", "ctx", "prompt_set", "quant") if c in df.columns]
@@ -344,8 +344,10 @@ def print_table(df: pl.DataFrame, where=None) -> None:
         )
         cells, bad = {"spec_k": [], "acc_len": [], "speedup": [], "exact": []}, 0
         cols = ["spec_k", "spec_acceptance_length", "spec_speedup", "spec_exact", "spec_first_mismatch"]
-        cols = [pl.col(c) if c in df.columns else pl.lit(None).alias(c) for c in [*cols, "spec_mismatch_margin"]]
-        for name, k, length, speedup, exact, step, margin in df.select("spec", *cols).iter_rows():
+        cols = [
+            pl.col(c) if c in df.columns else pl.lit(None).alias(c) for c in [*cols, "spec_mismatch_margin", "dtype"]
+        ]
+        for name, k, length, speedup, exact, step, margin, dtype in df.select("spec", *cols).iter_rows():
             plain = name == "none"
             for c, v in (("spec_k", k), ("acc_len", length), ("speedup", speedup)):
                 cells[c].append("" if plain or v is None else f"{v}" if c == "spec_k" else f"{v:.2f}")
@@ -354,7 +356,7 @@ def print_table(df: pl.DataFrame, where=None) -> None:
             elif exact:
                 cells["exact"].append("yes")
             else:
-                tie = margin is not None and margin <= near_tie  # an unknown or NaN margin is no tie
+                tie = margin is not None and margin <= tie_margin(dtype)  # an unknown or NaN margin is no tie
                 cells["exact"].append(("tie" if tie else "NO") + ("" if step is None else f"@{step}"))
                 bad += not tie
         note = degenerate_note(  # once per configuration: its speculative rows score the same reply
@@ -382,7 +384,7 @@ def print_table(df: pl.DataFrame, where=None) -> None:
         if bad:  # named by the table's NO@N
             mismatch = (
                 f"{bad} speculative row(s) left the plain greedy reply where its top two logits were "
-                f"more than {near_tie:g} apart (NO@step)"
+                "more than the near-tie margin of their dtype apart (NO@step)"
             )
     with pl.Config(
         tbl_rows=-1,
