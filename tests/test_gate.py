@@ -92,6 +92,7 @@ def row(**kw):
         spec_k=None,
         spec_settings=None,
         spec_temperature=None,
+        spec_seed=None,
         calibration_sha256="c",
         ctx="1k",
         ctx_tokens=1024,

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from tileinfer import gate
 from tileinfer.core.errors import UserError
 from tileinfer.engine.proposers import check_same_vocab
-from tileinfer.jobs import job, schema, spec
+from tileinfer.jobs import identity, job, schema, spec
 
 schema.register()
 GATE = OmegaConf.load("conf/gate.yaml").gate
@@ -88,6 +88,38 @@ def test_the_gate_fails_a_wide_margin_mismatch_only():
     assert gate.spec_checks(base | dict(spec_exact=None), GATE) == []  # sampled: no exactness check
 
 
+def test_the_widest_mismatch_of_any_prompt_reaches_the_row():
+    """Each prompt's first divergence is its own event: a wide one in a later prompt is not hidden
+    behind a near-tie in an earlier one."""
+
+    def one(margin, step):
+        return dict(stats=None, spec_s=1.0, plain_s=1.0, steps=4, exact=False, mismatch=step, margin=margin)
+
+    stats = SimpleNamespace(
+        k=1, drafts=1, drafted_tokens=1, accepted_tokens=1, target_forwards=1, new_tokens=2,
+        drafted_at=[1], accepted_at=[1], histogram=[0, 1], draft_s=0.0, verify_s=0.0,
+    )  # fmt: skip
+    passes = [one(0.01, 5) | {"stats": stats}, one(25.0, 2) | {"stats": stats}]
+    cols = spec.columns(passes)
+    assert cols["spec_mismatch_margin"] == 25.0 and cols["spec_first_mismatch"] == 2
+    (check,) = gate.spec_checks(dict(prompt_set="p", dtype="bfloat16", **cols), GATE)
+    assert check["verdict"] == gate.FAIL
+
+
+def test_every_spec_setting_is_in_the_row_identity():
+    def cols(*overrides):
+        return spec.identity_columns(load(*overrides).spec, "abc")
+
+    assert set(cols()) <= set(identity.CONFIG)
+    assert cols() == dict(spec="none", spec_k=None, spec_settings=None, spec_temperature=None, spec_seed=None)
+    greedy = cols("spec=ngram")
+    assert greedy["spec_k"] == 7 and greedy["spec_settings"] == "min_n=5,max_n=5" and greedy["spec_seed"] is None
+    assert cols("spec=ngram", "spec.seed=3") == greedy  # greedy verification draws nothing
+    a, b = cols("spec=ngram", "spec.temperature=0.8"), cols("spec=ngram", "spec.temperature=0.8", "spec.seed=1")
+    assert a != b and (a["spec_seed"], b["spec_seed"]) == (0, 1)
+    assert cols("spec=ngram", "spec.min_n=3") != greedy and cols("spec=ngram", "spec.k=3") != greedy
+
+
 def test_pass_columns_find_the_first_mismatch_and_its_margin():
     stats = SimpleNamespace(
         k=2, drafts=1, drafted_tokens=2, accepted_tokens=1, target_forwards=3, new_tokens=4,
@@ -111,11 +143,13 @@ def test_a_draft_with_another_vocabulary_is_refused():
     def tok(vocab):
         return SimpleNamespace(backend=SimpleNamespace(get_vocab=lambda with_added_tokens: vocab))
 
-    check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "b": 1}), 2)
+    check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "b": 1}), 2, 4)
     with pytest.raises(UserError, match="differs from the target's"):
-        check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "c": 1}), 2)
+        check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "c": 1}), 2, 4)
     with pytest.raises(UserError, match="has 1 logits"):
-        check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "b": 1}), 1)
+        check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "b": 1}), 1, 4)
+    with pytest.raises(UserError, match="has 8 logits"):  # padded ids the target could not embed
+        check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "b": 1}), 8, 4)
 
 
 @pytest.mark.parametrize(

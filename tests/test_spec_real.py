@@ -37,7 +37,7 @@ def pair():
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
 def test_real_pair_speculative_reply_equals_plain_greedy(pair, proposer):
     (tok, target), (draft_tok, draft) = pair
-    check_same_vocab(tok, draft_tok, draft.model.config.vocab_size)
+    check_same_vocab(tok, draft_tok, draft.model.config.vocab_size, target.model.config.vocab_size)
     # a copy task: the model is asked to repeat a piece of code, which both proposers can draft
     code = TEXT.read_text()[2000:3200]
     messages = [{"role": "user", "content": f"Repeat this code exactly:\n\n{code}"}]

@@ -89,3 +89,71 @@ def test_greedy_speculative_reply_equals_plain_or_parts_at_a_near_tie(checkpoint
         top2 = logits.topk(2).values
         print(f"{backend} {quant} {proposer}: parts at step {i}, margin {float(top2[0] - top2[1]):.4f}")
         assert float(top2[0] - top2[1]) <= schema.tie_margin("bfloat16")
+
+
+def random_drafter(target_config: dict, layers: tuple[int, ...]):
+    """A DFlash drafter with random weights for ``target_config`` (two Qwen3 layers, BF16, on the GPU)."""
+    from tileinfer.models.dflash import DFlashDrafter
+
+    hid, d, heads, kvh = target_config["hidden_size"], 128, 8, 2
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hid,
+        "intermediate_size": 2 * hid,
+        "num_hidden_layers": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kvh,
+        "head_dim": d,
+        "vocab_size": target_config["vocab_size"],
+        "max_position_embeddings": 4096,
+        "block_size": 16,
+        "num_target_layers": target_config["num_hidden_layers"],
+        "dflash_config": {"mask_token_id": 151665, "target_layer_ids": list(layers)},
+    }
+    g = torch.Generator().manual_seed(5)
+    shapes = {"fc.weight": (hid, hid * len(layers)), "hidden_norm.weight": (hid,), "norm.weight": (hid,)}
+    for i in range(2):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hid,),
+            p + "post_attention_layernorm.weight": (hid,),
+            p + "self_attn.q_proj.weight": (heads * d, hid),
+            p + "self_attn.k_proj.weight": (kvh * d, hid),
+            p + "self_attn.v_proj.weight": (kvh * d, hid),
+            p + "self_attn.o_proj.weight": (hid, heads * d),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (2 * hid, hid),
+            p + "mlp.up_proj.weight": (2 * hid, hid),
+            p + "mlp.down_proj.weight": (hid, 2 * hid),
+        }
+    sd = {n: 1 + 0.1 * torch.randn(s, generator=g) if len(s) == 1 else torch.randn(s, generator=g) / s[1] ** 0.5
+          for n, s in shapes.items()}  # fmt: skip
+    return DFlashDrafter.from_state_dict(config, sd, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("backend", ["triton", "cutile"])
+def test_dflash_on_a_fast_backend_is_lossless(checkpoint, backend):
+    """A random DFlash drafter on the target's backend: the reply equals plain greedy decoding (or parts
+    at a near-tie), with the prompt's hidden states observed in prefill chunks as a job feeds them."""
+    from tileinfer.engine.dflash import DFlashProposer
+    from tileinfer.jobs import drift
+
+    model = model_of(checkpoint, "bf16")
+    runner = ModelRunner(model, backend, max_seq_len=1024, prefill_chunk=128, cuda_graph=True)
+    proposer = DFlashProposer(random_drafter(MODEL, (1, 9, 17, 25)), model, runner.ops)
+    prompt = torch.randint(0, MODEL["vocab_size"], (300,), generator=torch.Generator().manual_seed(6)).tolist()
+    plain = generate(runner, prompt, 64).tokens
+    seq = runner.new_sequence()
+    state, _ = drift.prefill(runner, seq, prompt, drift.Snapshots(None), None, proposer)
+    first = int(state.first.argmax())
+    spec = drift.Speculation(proposer, 15)
+    got = [first] + spec.run(runner, seq, prompt + [first], 63).reply.tokens
+    seq.release()
+    assert got[0] == plain[0]
+    if got != plain:
+        i = next(i for i, (a, b) in enumerate(zip(got, plain)) if a != b)
+        logits = runner.prefill(runner.new_sequence(), prompt + plain[:i])
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) <= schema.tie_margin("bfloat16")

@@ -139,15 +139,17 @@ class DraftModelProposer(Proposer):
         self.fed = []
 
 
-def check_same_vocab(target_tok, draft_tok, draft_vocab: int) -> None:
+def check_same_vocab(target_tok, draft_tok, draft_vocab: int, target_vocab: int) -> None:
     """Refuse a draft model whose token ids mean other things than the target's.
 
     ``target_tok``/``draft_tok`` are :class:`tileinfer.core.tokenizer.Tokenizer`s; their vocabularies
-    (token text to id, added tokens included) must be equal, and the draft's ``draft_vocab`` logits
-    must cover every id of them.
+    (token text to id, added tokens included) must be equal; the draft's ``draft_vocab`` logits must
+    cover every id of them and no more than the target's ``target_vocab`` embedding rows (a drafted
+    padding id past them could not be verified).
 
     Raises:
-        UserError: another vocabulary, or a draft embedding smaller than the tokenizer.
+        UserError: another vocabulary, or a draft embedding smaller than the tokenizer or larger than
+            the target's.
     """
     a = target_tok.backend.get_vocab(with_added_tokens=True)
     b = draft_tok.backend.get_vocab(with_added_tokens=True)
@@ -158,5 +160,8 @@ def check_same_vocab(target_tok, draft_tok, draft_vocab: int) -> None:
             + (f", e.g. {differ[0][0]!r}" if differ else "")
             + "): speculative decoding needs the same tokenizer"
         )
-    if draft_vocab < max(a.values()) + 1:
-        raise UserError(f"the draft model has {draft_vocab} logits but the tokenizer has ids up to {max(a.values())}")
+    if not max(a.values()) < draft_vocab <= target_vocab:
+        raise UserError(
+            f"the draft model has {draft_vocab} logits: the tokenizer has ids up to {max(a.values())} and the "
+            f"target {target_vocab} logits"
+        )

@@ -293,7 +293,7 @@ def warm_up(runner: ModelRunner, stream, spec: Speculation | None = None) -> Non
                     seq.truncate(n)
                     runner.verify(seq, tokens[n:] * T)
             seq.truncate(n)
-            spec.run(runner, seq, tokens, 2 * spec.k + 2)
+            spec.run(runner, seq, tokens, min(2 * spec.k + 2, runner.max_seq_len - n))
         runner.synchronize()
     finally:
         seq.release()

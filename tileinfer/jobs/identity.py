@@ -28,6 +28,7 @@ CONFIG = (
     "spec_k",
     "spec_settings",
     "spec_temperature",
+    "spec_seed",
 )
 # How it is scored: prompt, scored window, base side, and the runner settings that reorder sums.
 SCORING = (
@@ -57,7 +58,7 @@ RENAMED = {"reference": "base", "ppl_ref": "ppl_base", "p_ref_mean": "p_base_mea
 # Identity columns added since: the value that means what rows written before them did (add_bos:
 # null, "not a setting", as for the built-in chat prompts; text files got no BOS then; the spec
 # settings: null, as for spec=none, the only proposer then).
-ADDED = {"add_bos": None, "spec_k": None, "spec_settings": None, "spec_temperature": None}
+ADDED = {"add_bos": None, "spec_k": None, "spec_settings": None, "spec_temperature": None, "spec_seed": None}
 
 
 def content_hash(value) -> str:

@@ -203,6 +203,11 @@ def draft_runner(cfg: Config, job: "Job") -> tuple[Tokenizer, ModelRunner]:
     loaded = load_model(replace(cfg, model=draft_model_group(cfg.spec.draft_model)), job.loaded.device)
     model, _ = model_for(loaded, QuantScheme(weights, kv_cache).effective())
     limit = loaded.checkpoint.config.max_position_embeddings
+    if limit < job.max_len:
+        raise UserError(
+            f"spec.draft_model={cfg.spec.draft_model} has a context of {limit} tokens, shorter than the "
+            f"{job.max_len} positions of this job (ctx plus the scored window)"
+        )
     runner = ModelRunner(
         model,
         backend=cfg.backend.name,
@@ -338,10 +343,7 @@ class Job:
                 calibration_sha256=identity.content_hash(calibration_text(s.calibration)) if s.smoothing else None,
                 dtype=c.dtype,
                 backend=c.backend.name,
-                spec=c.spec.name,
-                spec_k=None if c.spec.name == "none" else c.spec.k,
-                spec_settings=spec.settings_label(c.spec, self.draft_sha),
-                spec_temperature=None if c.spec.name == "none" else c.spec.temperature,
+                **spec.identity_columns(c.spec, self.draft_sha),
                 ctx=c.ctx.name,
                 ctx_tokens=self.ctx_tokens,
                 prompt_set=prompt_set,

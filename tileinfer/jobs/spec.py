@@ -57,7 +57,7 @@ def speculation(spec, target: ModelRunner, target_tokenizer, draft=None) -> Spec
         proposer = NgramProposer(spec.min_n, spec.max_n)
     elif spec.name == "draft":
         tok, runner = draft
-        check_same_vocab(target_tokenizer, tok, runner.model.config.vocab_size)
+        check_same_vocab(target_tokenizer, tok, runner.model.config.vocab_size, target.model.config.vocab_size)
         proposer = DraftModelProposer(runner)
     else:
         proposer = load_dflash(spec.dflash, target.model, target.ops)
@@ -87,8 +87,9 @@ def pass_columns(t: PassResult, greedy: bool) -> dict:
 def columns(passes: list[dict] | None) -> dict:
     """The row's speculation columns (:data:`COLUMNS`) over a prompt set's runs (:func:`pass_columns`);
     all None without speculation. Rates are pooled over the prompts' drafts; speeds are total tokens
-    over total seconds; ``spec_first_mismatch``/``spec_mismatch_margin`` describe the first prompt
-    with a mismatch (a step index within its timed steps)."""
+    over total seconds (``spec_speedup`` is plain over speculative seconds); ``spec_first_mismatch``
+    / ``spec_mismatch_margin`` describe the prompt whose reply parted at the widest margin (a step
+    index within its timed steps; margin None when unknown, e.g. a reply that stopped early)."""
     if not passes:
         return dict.fromkeys(COLUMNS)
     stats = [p["stats"] for p in passes]
@@ -100,7 +101,9 @@ def columns(passes: list[dict] | None) -> dict:
     drafted_at = [sum(s.drafted_at[i] for s in stats) for i in range(k)]
     accepted_at = [sum(s.accepted_at[i] for s in stats) for i in range(k)]
     steps, spec_s, plain_s = (sum(p[f] for p in passes) for f in ("steps", "spec_s", "plain_s"))
-    first = next((p for p in passes if p["mismatch"] is not None), None)
+    # every prompt's first divergence is its own event: the row keeps the widest (a bug shows there)
+    parted = [p for p in passes if p["mismatch"] is not None]
+    first = max(parted, key=lambda p: math.inf if p["margin"] is None else p["margin"], default=None)
     exact = None if passes[0]["exact"] is None else all(p["exact"] for p in passes)
     return dict(
         spec_drafts=drafts,
@@ -118,6 +121,20 @@ def columns(passes: list[dict] | None) -> dict:
         spec_exact=exact,
         spec_first_mismatch=None if first is None else first["mismatch"],
         spec_mismatch_margin=None if first is None else first["margin"],
+    )
+
+
+def identity_columns(spec, draft_sha: str | None) -> dict:
+    """The row identity columns of a ``spec`` config (tileinfer.jobs.identity.CONFIG): the proposer,
+    k, its other settings (:func:`settings_label`), the temperature and, when verification samples,
+    the seed; all None but ``spec`` for ``spec=none``."""
+    on = spec.name != "none"
+    return dict(
+        spec=spec.name,
+        spec_k=spec.k if on else None,
+        spec_settings=settings_label(spec, draft_sha),
+        spec_temperature=spec.temperature if on else None,
+        spec_seed=spec.seed if on and spec.temperature > 0 else None,
     )
 
 
