@@ -382,10 +382,7 @@ def print_table(df: pl.DataFrame, where=None) -> None:
         head = " ".join(f"{c}={labelled[c][0]}" for c in constant)
         table = _fmt(labelled, [*shown, "_row"]).sort("_row").drop("_row")
         if bad:  # named by the table's NO@N
-            mismatch = (
-                f"{bad} speculative row(s) left the plain greedy reply where its top two logits were "
-                "more than the near-tie margin of their dtype apart (NO@step)"
-            )
+            mismatch = f"{bad} speculative row(s) parted from the plain greedy reply beyond a near-tie (NO@step)"
     with pl.Config(
         tbl_rows=-1,
         tbl_cols=-1,
