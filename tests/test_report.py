@@ -517,7 +517,8 @@ def test_printed_table_with_speculative_rows_keeps_to_120_characters(tmp_path, c
     spec_order = [b[5] for b in body if b[:3] == ["int8_weights", "1k", "edit"]]
     assert spec_order == ["none", "ngram", "dflash"]
     warning = [line for line in lines if line.startswith("warning:")]
-    assert len(warning) == 1 and warning[0].startswith("warning: 2 speculative row(s) parted from the plain greedy reply")
+    assert len(warning) == 1
+    assert warning[0].startswith("warning: 2 speculative row(s) parted from the plain greedy reply")
     # without speculation the layout is the plain one
     tables.print_table(df.filter(pl.col("spec") == "none"))
     assert "acc_len" not in capsys.readouterr().out
