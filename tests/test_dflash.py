@@ -67,8 +67,15 @@ def assert_matches(fx: dict, drafter: DFlashDrafter) -> None:
 # ---------------------------------------------------------------------------- numerics
 
 
+def fixture_module():
+    spec = importlib.util.spec_from_file_location("make_dflash_fixture", DATA / "make_dflash_fixture.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    return make
+
+
 def test_drafter_matches_the_reference_fixture(tmp_path):
-    fx = torch.load(FIXTURE)
+    fx = fixture_module().with_inputs(torch.load(FIXTURE))
     folder = write_drafter(tmp_path / "drafter", fx["config"], fx["state_dict"])
     assert_matches(fx, DFlashDrafter.load(folder, dtype=torch.float32))
 
@@ -81,10 +88,8 @@ def test_drafter_matches_the_reference_fixture(tmp_path):
 def test_drafter_matches_the_reference_package(overrides):
     """Against the ``dflash`` package itself, where it is installed (not a test dependency)."""
     pytest.importorskip("dflash.model")
-    spec = importlib.util.spec_from_file_location("make_dflash_fixture", DATA / "make_dflash_fixture.py")
-    make = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make)
-    fx = make.make(seed=1, **overrides)
+    make = fixture_module()
+    fx = make.with_inputs(make.make(seed=1, **overrides))
     assert_matches(fx, DFlashDrafter.from_state_dict(fx["config"], fx["state_dict"], torch.float32))
 
 
