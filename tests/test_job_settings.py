@@ -61,7 +61,7 @@ def test_model_path_replaces_the_registry_model(tmp_path):
 
 def test_model_equals_a_path_says_what_to_write(tmp_path):
     out = run("tileinfer.sweep", f"model={tmp_path}/x.gguf", f"runs_dir={tmp_path}/runs")
-    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         f"tileinfer.sweep: error: model={tmp_path}/x.gguf: a local checkpoint is given as model.path={tmp_path}/x.gguf"
     ]
 
@@ -139,7 +139,7 @@ def test_the_log_folders_of_two_commands_never_collide():
 
 def test_a_bad_value_in_any_job_of_a_multirun_is_refused_before_the_first_runs(tmp_path):
     out = run("tileinfer.sweep", "-m", "quant=bf16,int8_kv", "ctx.tokens=1024,0", f"runs_dir={tmp_path}")
-    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "tileinfer.sweep: error: ctx.tokens=0: must be at least 1"
     ]
     assert not (tmp_path / "logs").exists() and not list(tmp_path.rglob("*.parquet"))
@@ -154,7 +154,7 @@ def test_a_bad_value_in_any_job_of_a_multirun_is_refused_before_the_first_runs(t
 )
 def test_hydra_composition_errors_are_one_line(tmp_path, override, message):
     out = run("tileinfer.sweep", override, f"runs_dir={tmp_path}")
-    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and message in out.stderr
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and message in out.stderr
 
 
 def test_repetition_measure():

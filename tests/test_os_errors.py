@@ -453,7 +453,7 @@ def test_real_file_size_limit(tmp_path, target, make):
         path,
     )
     named = path.with_suffix(".positions.parquet") if target == "positions" else path
-    assert_one_line(proc, 1, f"writer: error: cannot write {named}: File too large")
+    assert_one_line(proc, 2, f"writer: error: cannot write {named}: File too large")
     assert leftovers(tmp_path / "out") == []
 
 
@@ -474,12 +474,12 @@ BROKEN_COMMAND = """
 """
 
 
-@pytest.mark.parametrize("module,exit_code", [("tileinfer.sweep", 1), ("tileinfer.gate", 2), ("tileinfer.record", 1)])
-def test_read_only_runs_dir(tmp_path, module, exit_code):
+@pytest.mark.parametrize("module", ["tileinfer.sweep", "tileinfer.gate", "tileinfer.record"])
+def test_read_only_runs_dir(tmp_path, module):
     runs = tmp_path / "runs"
     runs.mkdir()  # an existing folder on a read-only mount: mkdir -p succeeds on it
     proc = run_python(BROKEN_COMMAND, module, runs, "EROFS", "", "", f"runs_dir={runs}", "model=smollm2-135m")
-    assert_one_line(proc, exit_code, f"{module}: error: runs_dir: cannot write {runs}: Read-only file system")
+    assert_one_line(proc, 2, f"{module}: error: runs_dir: cannot write {runs}: Read-only file system")
     assert leftovers(runs) == []
 
 
@@ -492,7 +492,7 @@ def test_sweep_rows_list_on_a_full_disk(tmp_path):
     )
     (log_dir,) = (runs / "logs").iterdir()
     line = f"tileinfer.sweep: error: cannot write {log_dir / 'rows.json'}: No space left on device"
-    assert_one_line(proc, 1, line, alone=False)  # after the job's own output
+    assert_one_line(proc, 2, line, alone=False)  # after the job's own output
     assert not [p for p in leftovers(log_dir) if "rows.json" in p]
 
 
@@ -507,7 +507,7 @@ def test_multirun_summary_on_a_full_disk(tmp_path, monkeypatch, capsys):
     break_disk(monkeypatch, out, match="summary")
     with pytest.raises(SystemExit) as e:
         PrintSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(out)}}}))
-    assert e.value.code == 1
+    assert e.value.code == 2
     line = f"tileinfer.sweep: error: cannot write {out / 'summary.parquet'}: No space left on device"
     assert capsys.readouterr().err.strip() == line
     assert leftovers(out) == ["0", "0/rows.json"]
@@ -524,7 +524,7 @@ def test_quoted_runs_dir_is_read_as_hydra_reads_it(tmp_path):
         cwd=cwd,
         timeout=300,
     )
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert runs.is_dir()
     assert leftovers(cwd) == [], "a folder named with the quotes was made"
     assert not [p for p in leftovers(tmp_path) if "'" in p]
@@ -542,7 +542,7 @@ def test_quoted_runs_dir_under_a_file(tmp_path):
         cwd=cwd,
         timeout=300,
     )
-    assert_one_line(proc, 1, f"tileinfer.sweep: error: runs_dir: cannot write {runs}: Not a directory")
+    assert_one_line(proc, 2, f"tileinfer.sweep: error: runs_dir: cannot write {runs}: Not a directory")
     assert leftovers(cwd) == []
 
 
@@ -565,4 +565,4 @@ def test_empty_runs_dir_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
         check_runs_dir("prog", ["runs_dir="])
-    assert e.value.code == 1 and capsys.readouterr().err.strip() == "prog: error: runs_dir is empty"
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == "prog: error: runs_dir is empty"

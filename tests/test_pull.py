@@ -60,7 +60,7 @@ def test_a_truncated_local_gguf_is_refused_in_one_line(tmp_path, smollm2_gguf, c
     out = subprocess.run(
         [sys.executable, "-m", "tileinfer.pull", str(bad)], capture_output=True, text=True, timeout=120
     )
-    assert out.returncode == 1 and out.stdout == ""
+    assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "truncated" in out.stderr
 
 
@@ -175,9 +175,9 @@ def test_cli_fresh_download(tmp_path, smollm2_gguf):
     assert Path(r.stdout.strip()).read_bytes() == smollm2_gguf.read_bytes()
 
 
-def test_cli_unknown_name_exits_1_with_one_line(tmp_path):
+def test_cli_unknown_name_exits_2_with_one_line(tmp_path):
     r = _cli("nope", home=tmp_path)
-    assert r.returncode == 1 and r.stdout == ""
+    assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().count("\n") == 0 and "unknown model 'nope'" in r.stderr
 
 

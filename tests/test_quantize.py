@@ -1,6 +1,5 @@
 """INT8 weights, the INT8 KV cache round trip, quantized checkpoints and ``python -m quantize``."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +9,7 @@ import torch
 
 from quantize import QuantScheme, apply, kv_int8_of, quantization_config, write_checkpoint
 from quantize.weights import BLOCK_LINEARS, quantize_weights
-from tests.tiny_models import make_tiny
+from tests.tiny_models import make_tiny, write_tiny_tokenizer
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
 from tileinfer.core.kv_cache import PagedKVCache
@@ -126,16 +125,6 @@ def test_weight_quantization_covers_linears_and_lm_head(kind, tmp_path):
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def write_tiny_tokenizer(folder: Path):
-    """A 96-token character tokenizer (tokenizer.json) matching the tiny models' vocabulary."""
-    from tokenizers import Tokenizer, models
-
-    chars = [chr(i) for i in range(32, 126)] + ["\n"]  # 95 characters, '~' left out for <unk>
-    vocab = {ch: i for i, ch in enumerate(chars)} | {"<unk>": 95}
-    Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>"}))
-
-
 @pytest.fixture(scope="module")
 def tiny_with_tokenizer(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3")
@@ -190,11 +179,11 @@ def test_cli_user_errors_exit_1(tiny_with_tokenizer, tmp_path):
     for folder, force in ((out, ()), (out, ("--force",)), (other, ("--force",))):
         # --force replaces a checkpoint this tool wrote, never other files
         proc = cli(tiny_with_tokenizer, "--out", folder, *force)
-        assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
         assert "not a quantized checkpoint" in proc.stderr
     assert (other / "config.json").exists()
     proc = cli(tmp_path / "missing", "--out", tmp_path / "o")
-    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert (out / "keep.txt").exists() and not (tmp_path / "o").exists()
 
 

@@ -270,7 +270,7 @@ def test_command_line_writes_the_report_and_rejects_an_empty_folder(rendered, tm
     assert (tmp_path / "cli" / "report.md").is_file() and list((tmp_path / "cli").glob("scatter-*.png"))
     (tmp_path / "empty").mkdir()
     out = run_cli(tmp_path / "empty")
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("tileinfer.report: error: no result rows")
     assert not (tmp_path / "empty" / "report").exists()
 

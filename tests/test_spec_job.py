@@ -13,6 +13,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from tests.tiny_models import make_tiny, write_tiny_tokenizer
 from tileinfer import gate
 from tileinfer.core.errors import UserError
 from tileinfer.engine.proposers import check_same_vocab
@@ -170,17 +171,29 @@ def sweep(*args):
     return subprocess.run([sys.executable, "-m", "tileinfer.sweep", *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def other_tokenizer_draft(tmp_path_factory):
+    """A tiny draft checkpoint whose 96-character tokenizer is not smollm2's."""
+    folder = tmp_path_factory.mktemp("draft")
+    make_tiny("llama", folder)
+    write_tiny_tokenizer(folder)
+    return folder
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["spec=eagle"], "spec"),
-        (["spec=dflash", "spec.dflash=/nonexistent/drafter"], "does not exist"),
+        (["spec=ngram", "spec.k=0"], "spec.k=0"),
         (["spec=ngram", "spec.k=100000"], "spec.k=100000 drafts do not fit"),
+        (["spec=dflash"], "spec.dflash"),
+        (["spec=dflash", "spec.dflash=/nonexistent/drafter"], "does not exist"),
         (["spec=draft", "spec.draft_model=no-such-model"], "unknown model 'no-such-model'"),
+        (["spec=draft", "spec.draft_model={other}"], "tokenizer"),
     ],
 )
-def test_bad_spec_input_is_one_line_and_exits_non_zero(tmp_path, smollm2_gguf, args, message):
-    out = sweep(*SMALL, f"runs_dir={tmp_path}", *args)
-    assert out.returncode != 0 and message in out.stderr
+def test_bad_spec_input_is_one_line_and_exits_2(tmp_path, smollm2_gguf, other_tokenizer_draft, args, message):
+    out = sweep(*SMALL, f"runs_dir={tmp_path}", *[a.format(other=other_tokenizer_draft) for a in args])
+    assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
     assert len([line for line in out.stderr.splitlines() if "error" in line.lower()]) == 1

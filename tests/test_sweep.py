@@ -95,7 +95,7 @@ def test_two_prompt_files_of_one_name_are_refused(tmp_path):
         (tmp_path / d).mkdir()
         (tmp_path / d / "doc.txt").write_text(text)
     out = sweep(tmp_path, f"eval.prompt_sets=[{tmp_path}/a/doc.txt,{tmp_path}/b/doc.txt]", check=False)
-    assert out.returncode == 1 and "has the name 'doc' of another one" in out.stderr, out.stderr
+    assert out.returncode == 2 and "has the name 'doc' of another one" in out.stderr, out.stderr
     assert not list(tmp_path.rglob("*.parquet"))
 
 
@@ -113,4 +113,4 @@ def test_stored_base_logits_of_another_prompt_are_refused(tmp_path):
         f"base.dir={tmp_path / 'base'}",
         check=False,
     )
-    assert out.returncode == 1 and "were recorded on another prompt" in out.stderr, out.stderr
+    assert out.returncode == 2 and "were recorded on another prompt" in out.stderr, out.stderr

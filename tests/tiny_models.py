@@ -7,6 +7,9 @@ applied to the wrong axis).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 import transformers
@@ -170,3 +173,13 @@ def write_gguf(hf_model, path, metadata=(), extra_tensors=None, qtypes=None):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tiny_tokenizer(folder: Path):
+    """A 96-token character tokenizer (tokenizer.json) matching the tiny models' vocabulary."""
+    from tokenizers import Tokenizer, models
+
+    chars = [chr(i) for i in range(32, 126)] + ["\n"]  # 95 characters, '~' left out for <unk>
+    vocab = {ch: i for i, ch in enumerate(chars)} | {"<unk>": 95}
+    Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>"}))

@@ -357,7 +357,7 @@ schema.register()
 @hydra.main(version_base="1.3", config_path="pkg://tileinfer.conf", config_name="gate")
 def main(cfg: DictConfig) -> None:
     try:
-        with exit_on_user_error("tileinfer.gate", code=2):
+        with exit_on_user_error("tileinfer.gate"):
             try:
                 _outcome.append(run_gate(schema.load(cfg)))
             except NonFiniteLogits as e:  # the code under test is broken: a failed check, not a usage error
@@ -373,9 +373,9 @@ def cli() -> None:
     """``--update-baseline`` is spelled as a flag, as users expect; Hydra sees gate.update_baseline=true.
     Hydra's own argument errors (exit 1) become exit 2, as every usage error here."""
     sys.argv = [("gate.update_baseline=true" if a == "--update-baseline" else a) for a in sys.argv]
-    schema.check_argv("tileinfer.gate", sys.argv[1:], exit_code=2)
-    check_runs_dir("tileinfer.gate", sys.argv[1:], exit_code=2, default="runs/gate")
-    schema.check_jobs("tileinfer.gate", sys.argv[1:], config_name="gate", exit_code=2)
+    schema.check_argv("tileinfer.gate", sys.argv[1:])
+    check_runs_dir("tileinfer.gate", sys.argv[1:], default="runs/gate")
+    schema.check_jobs("tileinfer.gate", sys.argv[1:], config_name="gate")
     try:
         main()
     except SystemExit as e:

@@ -1,12 +1,15 @@
 """The one exception type for mistakes a user can make (bad checkpoint, bad config, prompt too long).
 
-Entry points catch :class:`UserError`, print its message as one line and exit non-zero, so users see
-no traceback for their own mistakes; every other exception is a bug and keeps its traceback.
+Entry points catch :class:`UserError`, print its message as one line and exit 2 (argparse's code for a
+usage error), so users see no traceback for their own mistakes; every other exception is a bug and
+keeps its traceback (exit 1, as is the gate's failed check).
 """
 
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+
+USAGE_ERROR = 2  # exit code of every user error
 
 
 class UserError(Exception):
@@ -19,8 +22,8 @@ class NonFiniteLogits(UserError):
 
 
 @contextmanager
-def exit_on_user_error(prog: str, code: int = 1):
-    """Turn a :class:`UserError` raised inside the block into ``prog: error: ...`` and exit ``code``.
+def exit_on_user_error(prog: str):
+    """Turn a :class:`UserError` raised inside the block into ``prog: error: ...`` and exit :data:`USAGE_ERROR`.
 
     Also turns into one line: ``torch.cuda.OutOfMemoryError`` (running out of GPU memory is a sizing
     choice of the user: model, ctx), an OS error on a named file (a folder that cannot be written, a
@@ -31,7 +34,7 @@ def exit_on_user_error(prog: str, code: int = 1):
         yield
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(code)
+        sys.exit(USAGE_ERROR)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; finished results are kept, the same command resumes", file=sys.stderr)
         sys.exit(130)
@@ -39,7 +42,7 @@ def exit_on_user_error(prog: str, code: int = 1):
         if e.filename is None:
             raise
         print(f"{prog}: error: {e.filename}: {e.strerror}", file=sys.stderr)
-        sys.exit(code)
+        sys.exit(USAGE_ERROR)
     except Exception as e:  # noqa: BLE001 - only the OOM case is handled, the rest re-raised
         if type(e).__name__ == "OutOfMemoryError":
             print(
@@ -47,11 +50,11 @@ def exit_on_user_error(prog: str, code: int = 1):
                 "try a smaller model, ctx or kv page pool",
                 file=sys.stderr,
             )
-            sys.exit(code)
+            sys.exit(USAGE_ERROR)
         raise
 
 
-def check_runs_dir(prog: str, argv: list[str], default: str = "runs", exit_code: int = 1) -> None:
+def check_runs_dir(prog: str, argv: list[str], default: str = "runs") -> None:
     """Exit with one line when the ``runs_dir=`` of the command line (else ``default``) cannot be
     created or written: Hydra makes its log folder there before any of this project's code runs, and
     would answer with a traceback.
@@ -64,7 +67,7 @@ def check_runs_dir(prog: str, argv: list[str], default: str = "runs", exit_code:
     for value in _runs_dir_values(argv, default):
         if value == "":
             print(f"{prog}: error: runs_dir is empty", file=sys.stderr)
-            sys.exit(exit_code)
+            sys.exit(USAGE_ERROR)
         parts = Path(value).parts
         fixed = next((i for i, p in enumerate(parts) if "${" in p), len(parts))
         if fixed == 0 or (fixed == 1 and Path(value).is_absolute()):  # nothing fixed but the root
@@ -73,7 +76,7 @@ def check_runs_dir(prog: str, argv: list[str], default: str = "runs", exit_code:
             files.check_writable(Path(*parts[:fixed]))
         except UserError as e:
             print(f"{prog}: error: runs_dir: {e}", file=sys.stderr)
-            sys.exit(exit_code)
+            sys.exit(USAGE_ERROR)
 
 
 def _runs_dir_values(argv: list[str], default: str) -> list[str]:

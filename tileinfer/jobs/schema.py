@@ -24,7 +24,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
 
 from quantize import DEFAULT_ALPHA, DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantScheme
-from tileinfer.core.errors import UserError
+from tileinfer.core.errors import USAGE_ERROR, UserError
 from tileinfer.ops import BACKENDS
 
 
@@ -319,7 +319,7 @@ def unknown_keys(node: DictConfig, schema_type: type, prefix: str = "") -> list[
 RENAMED_SETTINGS = {"reference": "base"}
 
 
-def check_argv(prog: str, argv: list[str], exit_code: int = 1) -> None:
+def check_argv(prog: str, argv: list[str]) -> None:
     """Exit with one line for a command-line mistake Hydra would answer with several lines that do
     not say what to write: a renamed setting (``reference.source=...``) or a checkpoint path given as
     ``model=PATH`` (the model group takes names; a local checkpoint is ``model.path=PATH``)."""
@@ -329,17 +329,17 @@ def check_argv(prog: str, argv: list[str], exit_code: int = 1) -> None:
         if group in RENAMED_SETTINGS and "=" in arg:
             new = arg.lstrip("+~").replace(group, RENAMED_SETTINGS[group], 1)
             print(f"{prog}: error: {group}.* is now {RENAMED_SETTINGS[group]}.*: write {new}", file=sys.stderr)
-            sys.exit(exit_code)
+            sys.exit(USAGE_ERROR)
         if key == "model" and ("/" in value or value.endswith(".gguf") or Path(value).expanduser().exists()):
             print(f"{prog}: error: model={value}: a local checkpoint is given as model.path={value}", file=sys.stderr)
-            sys.exit(exit_code)
+            sys.exit(USAGE_ERROR)
 
 
 # Hydra flags that print something instead of running a job (--cfg job, --info, --help, ...).
 _NO_JOB = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help", "--shell-completion", "-sc", "--version"}
 
 
-def check_jobs(prog: str, argv: list[str], config_name: str = "config", exit_code: int = 1) -> int:
+def check_jobs(prog: str, argv: list[str], config_name: str = "config") -> int:
     """Compose and check every job of the command line before any runs; return how many there are.
 
     A multirun (``-m a=1,2 b=x,y``) is expanded the way Hydra's basic sweeper expands it, and each
@@ -376,10 +376,10 @@ def check_jobs(prog: str, argv: list[str], config_name: str = "config", exit_cod
                 load(compose(config_name, list(job)))
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(exit_code)
+        sys.exit(USAGE_ERROR)
     except Exception as e:  # noqa: BLE001 - Hydra's parse/composition/type errors, in one line
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        sys.exit(exit_code)
+        sys.exit(USAGE_ERROR)
     return len(jobs)
 
 
