@@ -69,3 +69,20 @@ def test_decode_replayed_from_cuda_graph_equals_eager_decode(checkpoint, backend
         logits[graph] = torch.stack(out)
     err = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
     assert torch.isfinite(logits[True]).all() and err < 1e-5, err
+
+
+@pytest.mark.parametrize("backend", ["triton", "cutile"])
+def test_greedy_steps_from_the_graph_are_the_argmax_of_its_logits(checkpoint, backend):
+    """decode_greedy / verify_greedy (the argmax captured in the graph) return the argmax of the
+    logits that decode / verify return for the same steps, across a page end."""
+    model = Transformer.from_state_dict(checkpoint.config, checkpoint.state_dict, device="cuda")
+    runner = ModelRunner(model, backend, max_seq_len=512, page_size=64, cuda_graph=True)
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, MODEL["vocab_size"], (160,), generator=g).tolist()
+    seq = runner.new_sequence()
+    runner.prefill(seq, a[:100])
+    logits = torch.stack([runner.decode(seq, t) for t in a[100:140]])
+    logits = torch.cat([logits, runner.verify(seq, a[140:148])])
+    seq.truncate(100)
+    greedy = [runner.decode_greedy(seq, t) for t in a[100:140]] + runner.verify_greedy(seq, a[140:148])
+    assert greedy == logits.argmax(-1).tolist()

@@ -89,6 +89,7 @@ TRITON_SMALL_VARIANTS = {
         "gemm_int8": (32, 32, 32, 8, 4, 2, "tma"),
         "gemv1_int8": (4, 64, 4, 2, 2),
     },
+    "gemv_dot": {"gemv1_bf16": (16, 32, 4, 2, 3), "gemv1_int8": (16, 32, 4, 2, 3)},
 }
 TRITON_VARIANTS = {
     "ptr": {"gemm_bf16": (128, 128, 64, 8, 8, 3, "ptr"), "gemm_int8": (128, 128, 64, 8, 8, 3, "ptr")},
@@ -102,6 +103,7 @@ TRITON_VARIANTS = {
         "gemm_int8": (128, 128, 64, 8, 8, 4, "tma_ws"),
         "gemv1_int8": (16, 512, 4, 1, 1),
     },
+    "gemv_dot": {"gemv1_bf16": (32, 256, 4, 4, 3), "gemv1_int8": (32, 256, 4, 4, 3)},
 }
 
 

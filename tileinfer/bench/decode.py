@@ -4,9 +4,11 @@ For random-weight models with the shapes of registered models (the ``config`` of
 ``conf/model/NAME.yaml``, :func:`tileinfer.core.registry.model_config`; decode speed does not depend
 on the values), BF16 and INT8 (weights and KV cache), each fast backend and each context
 length: a prefill fills the cache with ``ctx`` tokens, then ``steps`` decode steps are timed twice on
-the same runner, eager (one Python launch per op: ``ModelRunner.step``) and replayed from the
-runner's captured CUDA graph (``ModelRunner.decode``), rolling the sequence back in between.
-Tokens are fed from a fixed list, so no step waits on the host.
+the same runner, eager (one Python launch per op: ``ModelRunner.step``), replayed from the
+runner's captured CUDA graph (``ModelRunner.decode``) with tokens fed from a fixed list, so no step
+waits on the host, and from the graph that ends in the argmax (``ModelRunner.decode_greedy``), the
+host reading each token before the next step as greedy generation does; the sequence is rolled
+back in between.
 
 The roofline of a step is the bytes it must read (every weight once, the lm_head included, the
 embedding table not; plus the KV cache of ``ctx`` positions) over the copy bandwidth measured in
@@ -39,12 +41,20 @@ def bytes_per_step(runner: ModelRunner, ctx: int) -> int:
     return m.weight_bytes() - embed + runner.kv.bytes_per_position() * ctx
 
 
-def time_steps(runner: ModelRunner, seq, tokens: list[int], graph: bool) -> float:
-    """Seconds per decode step over ``tokens`` (after two untimed steps), eager or from the graph."""
+# How a timed step runs: one Python launch per op; the captured graph fed from a fixed token list
+# (no host read, so steps queue back to back); the graph ending in the argmax, whose token the host
+# reads before the next step (greedy generation as ``generate`` runs it).
+MODES = ("eager", "graph", "graph_greedy")
+
+
+def time_steps(runner: ModelRunner, seq, tokens: list[int], mode: str) -> float:
+    """Seconds per decode step over ``tokens`` (after two untimed steps) in ``mode`` (:data:`MODES`)."""
     start = seq.length
 
     def one(t):
-        return runner.decode(seq, t) if graph else runner.step(seq, torch.tensor([t]))[0]
+        if mode == "graph_greedy":
+            return runner.decode_greedy(seq, t)
+        return runner.decode(seq, t) if mode == "graph" else runner.step(seq, torch.tensor([t]))[0]
 
     for t in tokens[:2]:
         one(t)
@@ -81,10 +91,7 @@ def bench_model(
                 seq = runner.new_sequence()
                 runner.prefill(seq, tokens[:ctx])
                 roof = copy_GBps * 1e9 / bytes_per_step(runner, ctx)
-                dts = {
-                    mode: time_steps(runner, seq, tokens[ctx : ctx + steps + 2], mode == "graph")
-                    for mode in ("eager", "graph")
-                }
+                dts = {mode: time_steps(runner, seq, tokens[ctx : ctx + steps + 2], mode) for mode in MODES}
                 for mode, dt in dts.items():
                     rows.append(
                         dict(

@@ -237,6 +237,8 @@ def sweep_families() -> list[Family]:
 
     gemm, attn = functools.partial(_triton_override, "gemm"), functools.partial(_triton_override, "paged_attention")
     gemv16 = [(32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4)]
+    # one row through the 16-row tensor-core path (GEMV_DOT): fewer instructions a weight than FMAs
+    gemv1_dot = [(16, 256, 4, 4, 3), (32, 256, 4, 4, 3), (32, 512, 4, 3, 3), (64, 128, 4, 4, 3), (64, 256, 8, 3, 3)]
     gemm_cfgs = [
         (128, 128, 64, 8, 8, 3, "ptr"),
         (128, 128, 64, 8, 8, 4, "tma"),
@@ -250,7 +252,7 @@ def sweep_families() -> list[Family]:
         Family(
             "triton",
             "gemv1 bf16",
-            [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1)],
+            [(4, 1024, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), *gemv1_dot],
             linear("decode", "bf16"),
             gemm("gemv1_bf16"),
             per_shape=True,
@@ -274,6 +276,7 @@ def sweep_families() -> list[Family]:
                 (4, 1024, 4, 1, 1),
                 (4, 2048, 4, 1, 2),
                 (8, 512, 4, 1, 1),
+                *gemv1_dot,
             ],
             linear("decode", "int8w"),
             gemm("gemv1_int8"),

@@ -63,7 +63,8 @@ def generate(
         out = [token]
         bar = progress_bar(max_new_tokens, progress and f"{progress} decode", initial=1)
         while token not in stop_ids and len(out) < max_new_tokens:
-            token = choose(runner.decode(seq, token))
+            # greedy: the argmax runs in the captured decode graph and only the token comes back
+            token = runner.decode_greedy(seq, token) if sampling.temperature <= 0 else choose(runner.decode(seq, token))
             out.append(token)
             bar.update(1)
         bar.close()

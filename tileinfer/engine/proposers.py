@@ -125,10 +125,9 @@ class DraftModelProposer(Proposer):
         if k < 1:
             return []
         self.seq.truncate(same)
-        logits = self.runner.verify(self.seq, tokens[same:])[-1]  # a captured graph for a short catch-up
-        out = [int(self.runner.ops.argmax(logits[None])[0])]
+        out = [self.runner.verify_greedy(self.seq, tokens[same:])[-1]]  # a captured graph for a short catch-up
         for _ in range(k - 1):
-            out.append(int(self.runner.ops.argmax(self.runner.decode(self.seq, out[-1])[None])[0]))
+            out.append(self.runner.decode_greedy(self.seq, out[-1]))
         self.fed = list(tokens) + out[:-1]
         return out
 

@@ -81,7 +81,8 @@ class ModelRunner:
         )
         self.blocks = BlockManager(self.max_pages)
         self.cuda_graph = uses_cuda_graph(cuda_graph, self.device, self.ops)
-        self._graphs: dict[int, StepGraph] = {}  # by tokens per step: 1 (decode), k + 1 (verify)
+        # by (tokens per step: 1 decode, k + 1 verify; whether the graph ends in the argmax)
+        self._graphs: dict[tuple[int, bool], StepGraph] = {}
 
     @property
     def device(self) -> torch.device:
@@ -159,22 +160,36 @@ class ModelRunner:
         """One decode step for ``token``; float32 logits [vocab] of the next position."""
         return self.verify(seq, [token])[0]
 
+    def decode_greedy(self, seq: Sequence, token: int) -> int:
+        """One decode step for ``token``; the greedy next token (see :meth:`verify_greedy`)."""
+        return self.verify_greedy(seq, [token])[0]
+
     def verify(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
         """One step over a few ``tokens`` (a decode step, or speculative decoding's verify step of the
         pending token plus the drafts); float32 logits [len(tokens), vocab]. Replays the captured CUDA
         graph of that many tokens when the runner uses graphs (one graph per token count up to
         :data:`GRAPH_MAX_TOKENS`, captured on first use); attention then runs the split-KV decode
         kernels, which read positions on the device. Longer runs of tokens take an eager step."""
+        return self._step_from_graph(seq, tokens, greedy=False)
+
+    def verify_greedy(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """:meth:`verify`, returning the argmax of each row's logits (lowest id on ties) instead of the
+        logits: the argmax runs inside the captured graph, so a step costs one host read of
+        ``len(tokens)`` integers and no copy of the logits (greedy decoding, greedy verification)."""
+        return self._step_from_graph(seq, tokens, greedy=True)
+
+    def _step_from_graph(self, seq: Sequence, tokens: list[int], greedy: bool):
         T = len(tokens)
         if not self.cuda_graph or T > GRAPH_MAX_TOKENS:
-            return self.step(seq, torch.tensor(tokens))
+            logits = self.step(seq, torch.tensor(tokens))
+            return self.ops.argmax(logits).tolist() if greedy else logits
         self.check_length(seq, T)
         seq.reserve(T)
-        if T not in self._graphs:
-            self._graphs[T] = StepGraph(self, seq, tokens)
-        logits = self._graphs[T](seq, tokens)
+        if (T, greedy) not in self._graphs:
+            self._graphs[T, greedy] = StepGraph(self, seq, tokens, greedy)
+        out = self._graphs[T, greedy](seq, tokens)
         seq.length += T
-        return logits
+        return out
 
     def synchronize(self) -> None:
         """Wait for queued device work (before reading a host clock)."""
@@ -191,14 +206,16 @@ class StepGraph:
     graph serves every position (the split-KV grid depends only on the block table's size). Built
     on the first use: one eager step on the static buffers compiles the kernels and writes that
     step's keys and values (the replay writes the same ones again), then the capture.
-    Follows PyTorch's ``torch.cuda.graph`` recipe (warm-up on a side stream, then capture).
+    Follows PyTorch's ``torch.cuda.graph`` recipe (warm-up on a side stream, then capture). With
+    ``greedy`` the graph ends in the backend's argmax and a replay returns the tokens, not the logits.
 
     Raises:
         RuntimeError: an op of the backend is not capturable (a host sync or read inside a step).
     """
 
-    def __init__(self, runner: ModelRunner, seq: Sequence, tokens: list[int]):
+    def __init__(self, runner: ModelRunner, seq: Sequence, tokens: list[int], greedy: bool = False):
         dev, T = runner.device, len(tokens)
+        self.greedy = greedy
         self.tokens = torch.zeros(T, dtype=torch.long, device=dev)
         self.positions = torch.zeros(T, dtype=torch.int32, device=dev)
         self.offsets = torch.arange(T, dtype=torch.int32, device=dev)
@@ -206,7 +223,8 @@ class StepGraph:
         self._load(seq, tokens)
 
         def forward() -> torch.Tensor:
-            return runner.model.forward(runner.ops, self.tokens, self.positions, runner.kv, self.block_table)
+            logits = runner.model.forward(runner.ops, self.tokens, self.positions, runner.kv, self.block_table)
+            return runner.ops.argmax(logits) if greedy else logits
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -215,16 +233,16 @@ class StepGraph:
         torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = forward()
+            self.out = forward()
 
     def _load(self, seq: Sequence, tokens: list[int]) -> None:
         self.tokens.copy_(torch.tensor(tokens), non_blocking=True)
         torch.add(self.offsets, seq.length, out=self.positions)
         self.block_table.copy_(seq.block_table_tensor)
 
-    def __call__(self, seq: Sequence, tokens: list[int]) -> torch.Tensor:
+    def __call__(self, seq: Sequence, tokens: list[int]) -> torch.Tensor | list[int]:
         """Replay for ``tokens`` at positions ``seq.length ...``; float32 logits [T, vocab] (a copy:
-        the graph's output buffer is rewritten by the next replay)."""
+        the graph's output buffer is rewritten by the next replay), or the T greedy tokens."""
         self._load(seq, tokens)
         self.graph.replay()
-        return self.logits.clone()
+        return self.out.tolist() if self.greedy else self.out.clone()

@@ -103,11 +103,10 @@ class SpecReply:
     stats: SpecStats
 
 
-def accept_greedy(drafts: list[int], logits: torch.Tensor, ops) -> tuple[int, int]:
-    """Greedy verification: (accepted, next token). ``logits`` float32 [len(drafts) + 1, vocab] are
-    the target's after the pending token and each draft; a draft is accepted while it equals the
-    target's argmax, and the next token is the argmax after the last accepted one."""
-    target = ops.argmax(logits).tolist()
+def accept_greedy(drafts: list[int], target: list[int]) -> tuple[int, int]:
+    """Greedy verification: (accepted, next token). ``target`` [len(drafts) + 1] are the target's
+    argmax tokens after the pending token and each draft; a draft is accepted while it equals the
+    target's token, and the next token is the target's after the last accepted one."""
     n = 0
     while n < len(drafts) and drafts[n] == target[n]:
         n += 1
@@ -177,15 +176,18 @@ def speculative_decode(
         drafts = proposer.propose(tokens, m)[:m] if m > 0 else []
         t1 = time.perf_counter()
         start = seq.length
-        feed = torch.tensor(tokens[-1:] + drafts)
+        feed, hidden = tokens[-1:] + drafts, None
         if proposer.hidden_layers:
-            logits, hidden = runner.step(seq, feed, capture=proposer.hidden_layers)
-        else:  # the captured graph of this many tokens where the runner uses graphs
-            logits, hidden = runner.verify(seq, feed.tolist()), None
+            logits, hidden = runner.step(seq, torch.tensor(feed), capture=proposer.hidden_layers)
+            target = ops.argmax(logits).tolist()
+        elif sampling.temperature > 0:  # the captured graph of this many tokens where the runner uses graphs
+            logits = runner.verify(seq, feed)
+        else:  # the same, ending in the argmax: no logits leave the graph
+            target = runner.verify_greedy(seq, feed)
         if sampling.temperature > 0:
             n, nxt = accept_sampled(drafts, logits, sampling, gen)
         else:
-            n, nxt = accept_greedy(drafts, logits, ops)
+            n, nxt = accept_greedy(drafts, target)
         if hidden is not None:
             proposer.observe(hidden[: n + 1])
         proposer.accept(n)

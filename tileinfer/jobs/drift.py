@@ -289,9 +289,10 @@ def warm_up(runner: ModelRunner, stream, spec: Speculation | None = None) -> Non
             runner.decode(seq, t)
         if spec is not None:
             if not spec.proposer.hidden_layers:  # a verify graph per draft length, captured untimed
+                verify = runner.verify if spec.sampling.temperature > 0 else runner.verify_greedy
                 for T in range(2, spec.k + 2):
                     seq.truncate(n)
-                    runner.verify(seq, tokens[n:] * T)
+                    verify(seq, tokens[n:] * T)
             seq.truncate(n)
             spec.run(runner, seq, tokens, min(2 * spec.k + 2, runner.max_seq_len - n))
         runner.synchronize()

@@ -8,6 +8,7 @@ dot operand type as a constexpr and runs the dot in float32 when interpreting.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -15,6 +16,13 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while its
+# predecessor's last blocks run, so its launch latency overlaps them, also inside a CUDA graph. Each
+# decode-path kernel first lets its successor launch, then waits for its predecessor to complete
+# (its writes visible) before any load or store, as the cuTile backend does: completion is then
+# transitive. TILEINFER_TRITON_PDL=0 turns it off (to measure what it gains).
+PDL = not INTERPRET and os.environ.get("TILEINFER_TRITON_PDL", "1") != "0"
 
 _TL = {
     torch.bfloat16: tl.bfloat16,
@@ -100,3 +108,31 @@ def cast(y, dt: tl.constexpr):
         if dt == tl.bfloat16:
             y = _round_bf16(y.to(tl.float32))
     return y.to(dt)
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """Launch keywords of a decode-path kernel whose tensors live on ``t``'s device: programmatic
+    dependent launch (the kernel's ``PDL`` constexpr and Triton's ``launch_pdl``) on Hopper and
+    later when :data:`PDL` is on, else none."""
+    if PDL and t.is_cuda and _has_pdl(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+        return {"PDL": True, "launch_pdl": True}
+    return {}
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """First statement of a decode-path kernel (see :data:`PDL`); nothing when PDL is off."""
+    if PDL:
+        # PTX griddepcontrol with a memory clobber, so no load or store is moved above the wait
+        # (triton.language.extra.cuda's gdc_wait declares none)
+        tl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r,~{memory}", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+        tl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r,~{memory}", [], dtype=tl.int32, is_pure=False, pack=1
+        )

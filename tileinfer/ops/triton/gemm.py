@@ -33,7 +33,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tileinfer.ops import Int8Weight, fallback
 from tileinfer.ops import reference as ref
-from tileinfer.ops.triton._common import INTERPRET, cast, cdiv, dot_dtype, dot_precision, i8x4_byte_to_f32
+from tileinfer.ops.triton._common import (
+    INTERPRET,
+    cast,
+    cdiv,
+    dot_dtype,
+    dot_precision,
+    i8x4_byte_to_f32,
+    pdl_launch,
+    pdl_prologue,
+)
 
 GEMV_MAX_ROWS = 16
 
@@ -170,6 +179,7 @@ def _gemv_kernel(
     DOT_T: tl.constexpr,
     PREC: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out[t, n] = sum_k x[t, k] * w[n, k] for T <= 16 rows.
 
@@ -180,6 +190,7 @@ def _gemv_kernel(
     [N, K / 4]): see ``_row_fma``. BLOCK_T == 16: rows padded to 16, ``tl.dot`` (cp.async-pipelined
     by num_stages); with INT8 the int8 weight itself, converted to bf16 in registers.
     """
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     rows, cols = _weight_rows(pid, N, UP_OFF, BLOCK_N, SWIGLU)
     w_rows = w_ptr + rows[:, None] * stride_wn
@@ -363,11 +374,14 @@ def _gemm_tma_kernel(
 
 # ---------------------------------------------------------------------------- tile tables
 
-# GEMV, one row: (BLOCK_N, BLOCK_K, num_warps, prefetch 1|2[, int8 mode 1|2]). Small BLOCK_N gives
+# GEMV, one row: (BLOCK_N, BLOCK_K, num_warps, prefetch 1|2[, mode]); mode 1|2 is the INT8 row
+# path's weight read (int8, int32 words), GEMV_DOT the 16-row tensor-core path with the row padded
+# (num_warps and num_stages then as for 16 rows; converts int8 with Triton's cast, no FMA a weight). Small BLOCK_N gives
 # many programs (a 2560-row weight must still spread over 132 SMs); BLOCK_K sets the bytes each
 # program loads at once. H200 sweep (benchmarks/NOTES.md): 4-row tiles win up to ~4k rows, 8-row tiles above;
 # prefetching the next tile in registers did not help (occupancy already hides the latency).
 # Each table: (most weight rows, config), the first that fits wins (None: any size).
+GEMV_DOT = 3
 GEMV1_BF16 = [(4096, (4, 1024, 4, 1)), (None, (8, 512, 4, 1))]
 # INT8: sign-extended int8 tiles, 4 x 1024 up to 4k rows and 8 x 512 up to 8k (more programs: the
 # small INT8 GEMVs are latency-bound at 15-18% achieved occupancy, ncu), int32 words 16 x 512 above
@@ -408,6 +422,9 @@ _OVERRIDE: dict[str, tuple] = {}
 SHAPE_TABLE: dict[str, dict] = {
     # Qwen3-4B qkv at 1k tokens: 128 x 128 50.1 us against 57.2 for the table's 128 x 256
     "gemm_bf16": {(1024, 6144, 2560): (128, 128, 64, 8, 8, 4, "tma_ws")},
+    # Qwen3-8B gate_up, INT8, one row: the tensor-core path (h200-2026-12-01-gemv-dot.md); every other
+    # single-row shape of the sweep stays on the FMA path
+    "gemv1_int8": {(24576, 4096): (64, 128, 4, 4, GEMV_DOT)},
 }
 
 
@@ -532,9 +549,11 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
     if T <= GEMV_MAX_ROWS:
         cfg = _gemv_config(T, int8, n_rows, K)
         bn, bk, warps, stages = cfg[:4]
-        mode = (cfg[4] if len(cfg) > 4 else 1) if (int8 and T == 1) else int(int8)
-        prefetch = T == 1 and stages >= 2
-        if T == 1:
+        row_mode = cfg[4] if T == 1 and len(cfg) > 4 else None
+        dot = T > 1 or row_mode == GEMV_DOT
+        mode = row_mode if not dot and int8 and row_mode is not None else int(int8)
+        prefetch = not dot and stages >= 2
+        if not dot:
             stages = 1  # the row path has no dot for Triton's pipeliner to pipeline
         if mode == 2:  # this INT8 GEMV reads the weight as int32 words
             if K % 4 or not wq.is_contiguous():
@@ -556,7 +575,7 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
             stride_wn,
             out.stride(0),
             up_off,
-            BLOCK_T=1 if T == 1 else 16,
+            BLOCK_T=16 if dot else 1,
             BLOCK_N=bn,
             BLOCK_K=bk,
             W_INT8=mode,
@@ -569,6 +588,7 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
             PREFETCH=prefetch,
             num_warps=warps,
             num_stages=stages,
+            **pdl_launch(x),
         )
     else:
         if int8 and T >= INT8_DEQUANT_ROWS:

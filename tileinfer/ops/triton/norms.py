@@ -14,11 +14,14 @@ import triton.language as tl
 
 from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
-from tileinfer.ops.triton._common import cast, next_pow2
+from tileinfer.ops.triton._common import cast, next_pow2, pdl_launch, pdl_prologue
 
 
 @triton.jit
-def _embedding_kernel(ids_ptr, table_ptr, out_ptr, H, stride_t, stride_o, BLOCK: tl.constexpr):
+def _embedding_kernel(
+    ids_ptr, table_ptr, out_ptr, H, stride_t, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
@@ -40,7 +43,7 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return out
     block = min(next_pow2(H), 2048)
     _embedding_kernel[(T, triton.cdiv(H, block))](
-        ids, table, out, H, table.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        ids, table, out, H, table.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl_launch(ids)
     )
     return out
 
@@ -62,7 +65,9 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < n
@@ -136,6 +141,7 @@ def _launch_norm(x, residual, weight, eps):
         BLOCK=block,
         HAS_RES=residual is not None,
         num_warps=warps,
+        **pdl_launch(x2),
     )
     return y, (s if residual is not None else None)
 

@@ -37,7 +37,16 @@ import triton.language as tl
 from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
-from tileinfer.ops.triton._common import cast, cdiv, dot_dtype, dot_precision, i8x4_byte_to_f32, next_pow2
+from tileinfer.ops.triton._common import (
+    cast,
+    cdiv,
+    dot_dtype,
+    dot_precision,
+    i8x4_byte_to_f32,
+    next_pow2,
+    pdl_launch,
+    pdl_prologue,
+)
 
 DECODE_MAX_ROWS = 16
 LOG2E = 1.4426950408889634
@@ -306,11 +315,13 @@ def _attn_decode_split_kernel(
     INT8: tl.constexpr,
     DOT_T: tl.constexpr,
     PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One (kv_head, context chunk) of split-KV decode: unnormalised partial acc, max, sum.
 
     Partials go to wacc [splits, T * H, HEAD_D] and wml [splits, 2, T * H] (max in log2 units, sum).
     """
+    pdl_prologue(PDL)
     kvh = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
@@ -367,9 +378,20 @@ def _attn_decode_split_kernel(
 
 @triton.jit(do_not_specialize=["H", "rows"])
 def _attn_combine_kernel(
-    wacc_ptr, wml_ptr, o_ptr, H, rows, n_splits, stride_ot, stride_oh, HEAD_D: tl.constexpr, BLOCK_S: tl.constexpr
+    wacc_ptr,
+    wml_ptr,
+    o_ptr,
+    H,
+    rows,
+    n_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Merge the split partials of one (token, head) row: out = sum_s w_s acc_s / sum_s w_s l_s."""
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     ok = s < n_splits
@@ -510,6 +532,7 @@ def attention(
             PREC=prec,
             num_warps=warps,
             num_stages=stages,
+            **pdl_launch(q),
         )
         _attn_combine_kernel[(rows,)](
             wacc,
@@ -523,6 +546,7 @@ def attention(
             HEAD_D=D,
             BLOCK_S=next_pow2(splits),
             num_warps=4 if splits * D >= 4096 else 2,
+            **pdl_launch(wacc),
         )
     else:
         tile = PREFILL_TILE_SMALL if (T * G <= PREFILL_SMALL_ROWS and not layer.int8) else PREFILL_TILE_LARGE

@@ -17,7 +17,7 @@ import triton.language as tl
 from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
-from tileinfer.ops.triton._common import cast, rint_f32
+from tileinfer.ops.triton._common import cast, pdl_launch, pdl_prologue, rint_f32
 
 
 @triton.jit
@@ -94,7 +94,9 @@ def _qk_norm_rope_kv_kernel(
     PAGE: tl.constexpr,
     HAS_NORM: tl.constexpr,
     INT8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     HALF: tl.constexpr = HEAD_D // 2
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -248,5 +250,6 @@ def qk_norm_rope_kv_write(
         HAS_NORM=has_norm,
         INT8=layer.int8,
         num_warps=1 if d <= 64 else 2,
+        **pdl_launch(q),
     )
     return q_out

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
-from tileinfer.ops.triton._common import cdiv, next_pow2
+from tileinfer.ops.triton._common import cdiv, next_pow2, pdl_launch, pdl_prologue
 
 ARGMAX_CHUNK = 4096
 CAND_CHUNK = 4096  # vocabulary chunk of the candidate kernel (one program each)
@@ -43,7 +43,8 @@ ROUNDS = 32
 
 
 @triton.jit
-def _argmax_partial_kernel(x_ptr, pv_ptr, pi_ptr, V, S, stride_x, CHUNK: tl.constexpr):
+def _argmax_partial_kernel(x_ptr, pv_ptr, pi_ptr, V, S, stride_x, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -55,7 +56,8 @@ def _argmax_partial_kernel(x_ptr, pv_ptr, pi_ptr, V, S, stride_x, CHUNK: tl.cons
 
 
 @triton.jit
-def _argmax_final_kernel(pv_ptr, pi_ptr, out_ptr, S, BLOCK_S: tl.constexpr):
+def _argmax_final_kernel(pv_ptr, pi_ptr, out_ptr, S, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     v = tl.load(pv_ptr + row * S + s, mask=s < S, other=float("-inf"))
@@ -79,8 +81,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     S = cdiv(V, ARGMAX_CHUNK)
     pv = torch.empty((T, S), dtype=torch.float32, device=logits.device)
     pi = torch.empty((T, S), dtype=torch.int32, device=logits.device)
-    _argmax_partial_kernel[(T, S)](logits, pv, pi, V, S, logits.stride(0), CHUNK=ARGMAX_CHUNK, num_warps=8)
-    _argmax_final_kernel[(T,)](pv, pi, out, S, BLOCK_S=next_pow2(S), num_warps=1)
+    _argmax_partial_kernel[(T, S)](
+        logits, pv, pi, V, S, logits.stride(0), CHUNK=ARGMAX_CHUNK, num_warps=8, **pdl_launch(logits)
+    )
+    _argmax_final_kernel[(T,)](pv, pi, out, S, BLOCK_S=next_pow2(S), num_warps=1, **pdl_launch(pv))
     return out
 
 

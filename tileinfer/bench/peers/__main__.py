@@ -1,0 +1,5 @@
+import sys
+
+from tileinfer.bench.peers.bench import main
+
+sys.exit(main())
