@@ -28,9 +28,10 @@ n_positions        (none)                         number of scored positions
 
 Differences from llama.cpp, all in the direction of exactness: llama.cpp stores the base model's
 log-probabilities as 16-bit integers and skips vocabulary entries with log P <= -16 in the KL sum;
-here both distributions are used exactly in float32. llama.cpp also prints standard errors; they are
-left out because neighbouring positions of one reply are strongly correlated, which makes the
-textbook standard error far too optimistic.
+here both distributions are used exactly in float32. llama.cpp also prints standard errors; they
+treat neighbouring positions of one reply as independent, which they are not, so rows carry them
+only labelled as llama.cpp's (``*_sigma``) beside intervals that resample whole windows, prompts or
+blocks of positions (:mod:`evals.intervals`).
 
 Memory: logits arrive in chunks of positions (e.g. 256 x 151,936 float32 = 156 MB per model);
 :func:`position_metrics` reduces each chunk to a few floats per position, and

@@ -311,7 +311,7 @@ def load_dataset_prompts(
 
     Raises:
         UserError: nothing local matches (including Hub dataset ids), mixed or unsupported file
-            types, a record without the text field, or no texts.
+            types, files without the column ``field`` names, a record without the text field, or no texts.
     """
     files = _resolve_data_files(data_files)
     suffixes = sorted({os.path.splitext(f)[1].lower() for f in files})
@@ -345,6 +345,8 @@ def load_dataset_prompts(
     finally:
         if bars:
             datasets.enable_progress_bars()
+    if field is not None and field not in ds.column_names:
+        raise UserError(f"dataset {files[0]!r} has no {field!r} field (its columns: {', '.join(ds.column_names)})")
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
     texts = [_text_field(row, f"{files[0]} record {i}", field) for i, row in enumerate(ds)]

@@ -1,13 +1,15 @@
-"""The scoring pass refuses non-finite logits; saved reference replies are reused only when intact."""
+"""Non-finite logits stop the scoring pass; saved replies are reused only when intact; a corpus row's KL."""
 
 import pytest
 import torch
 
+from evals import corpus
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import NonFiniteLogits
 from tileinfer.engine.runner import ModelRunner
-from tileinfer.jobs import drift
+from tileinfer.jobs import drift, tables
+from tileinfer.jobs.resume import Snapshots
 from tileinfer.models import Transformer
 
 TINY = dict(
@@ -53,3 +55,41 @@ def test_a_saved_reply_is_reused_and_a_damaged_one_is_not(tmp_path):
     assert drift.load_stream(cache, prompt[1:], 8) is None and drift.load_stream(cache, prompt, 9) is None
     cache.write_text('{"prompt": [1, 2')  # cut short
     assert drift.load_stream(cache, prompt, 8) is None
+
+
+def test_a_corpus_row_is_the_kl_over_the_windows_second_halves():
+    # base: the tiny model; candidate: its weights with 2% noise, over windows of 24 tokens
+    sd = random_state_dict(TINY, seed=0, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    noisy = {k: v * (1 + 0.02 * torch.randn(v.shape, generator=g)) for k, v in sd.items()}
+    base_r, cand_r = (
+        ModelRunner(Transformer.from_state_dict(ModelConfig.from_hf(TINY), w), max_seq_len=64, page_size=16)
+        for w in (sd, noisy)
+    )
+    ctx, n = 24, corpus.prompt_len(24)
+    windows = corpus.windows(torch.randint(2, 256, (80,), generator=torch.Generator().manual_seed(0)).tolist(), ctx, 1)
+    results = []
+    for w in windows:  # as job.Job.live_base and job.run score a corpus
+        base = drift.base_pass(base_r, w[:n], ctx - n, set(), Snapshots(None), w[n:])
+        results.append(drift.score(cand_r, base, decode_steps=0))
+    kw = dict(device=torch.device("cpu"), weights_bytes=1, kv_bytes=1, wall_s=1.0, kl_estimate="exact", fallbacks=[])
+    row = tables.make_row({}, results, replies=[w[n:] for w in windows], unit="window", **kw)
+
+    def window_logits(r, w):  # every position of the window in one forward step
+        seq = r.new_sequence()
+        try:
+            return torch.log_softmax(r.step(seq, torch.tensor(w)).double(), dim=-1)
+        finally:
+            seq.release()
+
+    kl, nll = [], []
+    for w in windows:
+        lp, lq = window_logits(base_r, w), window_logits(cand_r, w)
+        scored = slice(ctx // 2, ctx - 1)  # positions 12..22 predict tokens 13..23
+        kl.append((lp.exp() * (lp - lq)).sum(-1)[scored])
+        nll.append(-lp[scored].gather(-1, torch.tensor(w[ctx // 2 + 1 :])[:, None])[:, 0])
+    kl, nll = torch.cat(kl), torch.cat(nll)
+    assert len(windows) == 3 and row["n_scored"] == 3 * (ctx - 1 - ctx // 2) == len(kl)
+    assert row["kl_mean"] > 0 and row["kl_mean"] == pytest.approx(float(kl.mean()), rel=1e-4, abs=1e-9)
+    assert row["ppl_base"] == pytest.approx(float(nll.mean().exp()), rel=1e-5)
+    assert row["kl_mean_lo"] <= row["kl_mean"] <= row["kl_mean_hi"] and row["ci_unit"] == "block of 3 positions"

@@ -5,9 +5,11 @@ import sys
 
 import polars as pl
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from evals.base_logits import TopKLogits
+from evals.intervals import row_intervals
 from tests import faults
 from tileinfer import gate
 from tileinfer.core.checkpoint import load_checkpoint
@@ -29,11 +31,13 @@ def smollm2(smollm2_gguf):
 
 
 def kernel_verdicts(model, ops, refs, kv_cache="bf16"):
-    """Kernel checks of ``ops`` against one reference per prompt set; returns the verdict rows."""
+    """Kernel checks of ``ops`` against one reference per prompt set, judged by the intervals a row gets;
+    returns the verdict rows."""
     out = []
     for name, ref in refs.items():
         runner = ModelRunner(model, backend=ops, kv_int8=kv_cache == "int8", max_seq_len=1152)
-        stats, _ = drift.score(runner, ref, decode_steps=0)
+        stats, per_pos = drift.score(runner, ref, decode_steps=0)
+        stats |= row_intervals(per_pos, torch.zeros(len(per_pos["kl"])), "prompt")
         out += gate.kernel_checks(dict(stats, prompt_set=name, dtype="bfloat16", kv_cache=kv_cache), GATE)
     return out
 
@@ -98,6 +102,8 @@ def row(**kw):
         ctx_tokens=1024,
         prompt_set="edit",
         prompts_sha256="p",
+        corpus=None,
+        n_windows=None,
         add_bos=None,
         n_score=128,
         base="stored:reference/bf16-nosmooth",
@@ -113,10 +119,40 @@ def row(**kw):
     return base | kw
 
 
+@pytest.mark.parametrize(
+    "value,lo,hi,bound,higher_is_better,verdict",
+    [
+        (0.9e-3, 0.5e-3, 1.5e-3, 1e-3, False, gate.PASS),  # estimate within the bound
+        (1.1e-3, 0.8e-3, 1.5e-3, 1e-3, False, gate.NOISE),  # beyond it, but the interval reaches it
+        (1.1e-3, 1e-3, 1.5e-3, 1e-3, False, gate.NOISE),  # the interval touches it: not shown worse
+        (1.2e-3, 1.0001e-3, 1.5e-3, 1e-3, False, gate.FAIL),  # the whole interval beyond it
+        (0.97, 0.95, 0.99, 0.98, True, gate.NOISE),
+        (0.97, 0.95, 0.98, 0.98, True, gate.NOISE),
+        (0.97, 0.95, 0.9799, 0.98, True, gate.FAIL),
+        (0.985, 0.95, 0.99, 0.98, True, gate.PASS),
+    ],
+)
+def test_a_check_fails_only_when_its_interval_lies_beyond_the_bound(value, lo, hi, bound, higher_is_better, verdict):
+    assert gate.judge(value, lo, hi, bound, higher_is_better) == verdict
+
+
+def test_kernel_checks_use_the_row_intervals_and_skip_p999_on_few_positions():
+    r = row(kernel=True, kv_cache="bf16", kl_mean=1.2e-3, kl_mean_lo=0.9e-3, kl_mean_hi=1.6e-3, kl_p999=0.5)
+    r |= dict(top1_agree=0.965, top1_agree_lo=0.95, top1_agree_hi=0.975)
+    verdicts = {v["metric"]: v for v in gate.kernel_checks(r, GATE)}
+    assert verdicts["kl_mean"]["verdict"] == gate.NOISE and verdicts["kl_mean"]["lo"] == 0.9e-3
+    assert verdicts["top1_agree"]["verdict"] == gate.NOISE
+    assert verdicts["kl_p999"]["verdict"] == gate.SKIP  # 128 positions: the 99.9% point is the maximum
+    many = {v["metric"]: v["verdict"] for v in gate.kernel_checks(r | dict(n_scored=GATE.p999_min_positions), GATE)}
+    assert many["kl_p999"] == gate.FAIL  # no interval columns: judged by the point estimate
+    worse = gate.kernel_checks(r | dict(kl_mean_lo=1.01e-3), GATE)
+    assert [v["verdict"] for v in worse if v["metric"] == "kl_mean"] == [gate.FAIL]
+
+
 def test_baseline_checks_and_verdict_table():
     baseline = pl.DataFrame([row()])
     ok = gate.evaluate(pl.DataFrame([row(kl_mean=4.0e-3)]), baseline, GATE)
-    assert (ok["verdict"] == gate.PASS).all() and list(ok["check"]) == ["baseline"] * 3
+    assert list(ok["verdict"]) == [gate.PASS, gate.SKIP, gate.PASS] and list(ok["check"]) == ["baseline"] * 3
     worse = gate.evaluate(pl.DataFrame([row(kl_mean=5.0e-3, top1_agree=0.95)]), baseline, GATE)
     bad = worse.filter(pl.col("verdict") == gate.FAIL)
     assert sorted(bad["metric"]) == ["kl_mean", "top1_agree"]

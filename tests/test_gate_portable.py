@@ -120,7 +120,7 @@ def test_a_backend_without_its_own_row_is_held_to_the_reference_row_with_the_ker
     assert bound["kl_p999"] == pytest.approx(3.7e-2 * 1.1 + 1e-2 + k["kl_p999"])
     assert bound["top1_agree"] == pytest.approx(0.96875 - 0.01 - (1 - k["top1_agree"]))
     # passes there, where the reference backend's own bound (4.7e-3) would fail it...
-    assert (v["verdict"] == gate.PASS).all()
+    assert list(v["verdict"]) == [gate.PASS, gate.SKIP, gate.PASS]  # 128 positions: 99.9% KL not checked
     # ...but a drift beyond the margin fails
     far = gate.evaluate(pl.DataFrame([row(backend="triton", kl_mean=9.0e-3)]), baseline_of(row()), GATE)
     assert far.filter(pl.col("verdict") == gate.FAIL)["metric"].to_list() == ["kl_mean"]
@@ -129,7 +129,7 @@ def test_a_backend_without_its_own_row_is_held_to_the_reference_row_with_the_ker
 def test_the_fallback_note_states_the_margin():
     note = gate.fallback_note(row(backend="triton"), GATE)
     assert note.startswith("baseline-ref: no baseline row for backend=triton")
-    assert "gate.bounds.bfloat16-int8kv: kl_mean +0.003, kl_p999 +0.1, top1_agree -0.03" in note
+    assert "gate.bounds.bfloat16-int8kv: kl_mean +0.003, kl_p999 +0.1, top1_agree -0.05" in note
 
 
 def test_a_backends_own_row_wins_and_another_base_is_no_stand_in():

@@ -10,6 +10,7 @@ import polars as pl
 import pytest
 import torch
 
+from evals import intervals
 from tileinfer import report
 from tileinfer.jobs import tables
 
@@ -105,6 +106,8 @@ def parse_tables(md: str) -> dict:
             section, sub = line[3:], None
         elif line.startswith("### "):
             sub = line[4:]
+        elif line.startswith("#### llama.cpp"):  # the ± 1σ figures: a table of their own
+            sub = line[5:]
         elif line.startswith("|") and not line.startswith("|---"):
             cells = [c.strip() for c in line.strip("|").split("|")]
             if cells[0] == "Config":
@@ -132,7 +135,7 @@ def test_report_has_a_section_per_group_and_a_table_per_prompt_set(rendered):
     runs, path, md = rendered
     assert path == runs / "report" / "report.md"
     sections = re.findall(r"^## (.*)$", md, flags=re.M)
-    assert sections == ["smollm2-135m, ctx 1k", "smollm2-135m, ctx 8k"]
+    assert sections == ["smollm2-135m, ctx 1k", "smollm2-135m, ctx 8k", "Paired differences"]
     for ctx in CTX:
         for ps in ("edit", "explain"):
             tab = table_of(md, ctx, ps)
@@ -522,3 +525,35 @@ def test_printed_table_with_speculative_rows_keeps_to_120_characters(tmp_path, c
     # without speculation the layout is the plain one
     tables.print_table(df.filter(pl.col("spec") == "none"))
     assert "acc_len" not in capsys.readouterr().out
+
+
+def test_corpus_rows_show_intervals_sigmas_and_paired_differences(tmp_path):
+    rng = np.random.default_rng(2)
+    for q, w, kv, smooth, speed, kl in CONFIGS:
+        row, pos = fake_row(q, w, kv, smooth, speed, kl, ctx="1k", prompt_set="pydoc", rng=rng)
+        group = torch.arange(N) // (N // 4)  # four windows
+        logp = {"logp_base": -torch.rand(N), "logp_cand": -torch.rand(N)}
+        row |= intervals.row_intervals(pos | logp, group, "window") | {"corpus": "pydoc", "n_windows": 4}
+        name = f"{q}-{'smooth' if smooth else 'nosmooth'}-1k-pydoc.parquet"
+        tables.write_row(tmp_path / "rows" / "smollm2-135m" / "reference" / name, row, pos | logp | {"group": group})
+    md = report.render(tmp_path).read_text()
+    assert f"### Corpus `pydoc` (4 window(s), {N} scored positions)" in md
+    rows = tables.collect(tmp_path / "rows")
+    r = rows.filter((pl.col("quant") == "int8_kv") & pl.col("smooth_keys")).row(0, named=True)
+    tab = table_of(md, "1k", "pydoc")
+    assert (
+        tab["int8_kv (smoothed keys)"]["Mean KLD"]
+        == f"{r['kl_mean']:.4g} [{r['kl_mean_lo']:.4g}, {r['kl_mean_hi']:.4g}]"
+    )
+    top1 = f"{100 * r['top1_agree']:.2f} [{100 * r['top1_agree_lo']:.2f}, {100 * r['top1_agree_hi']:.2f}]"
+    assert tab["int8_kv (smoothed keys)"]["Same top p (%)"] == top1
+    assert "BCa bootstrap over block of 3 positions (32)" in md  # 4 windows of 24: 8 blocks of ceil(24 ** (1/3)) each
+    assert f"{r['kl_mean']:.4g} ± {r['kl_mean_sigma']:.4g}" in md  # llama.cpp's figures, in their own table
+    # key smoothing, position by position on the same windows: smoothed minus unsmoothed
+    pos = {
+        s: pl.read_parquet(next((tmp_path / "rows").rglob(f"int8_kv-{s}-1k-pydoc.positions.parquet")))["kl"].to_numpy()
+        for s in ("smooth", "nosmooth")
+    }
+    d, lo, hi = intervals.paired_difference(pos["smooth"], pos["nosmooth"], np.arange(N) // (N // 4))
+    line = next(ln for ln in md.splitlines() if ln.startswith("| key smoothing") and "int8_kv (smoothed keys)" in ln)
+    assert f"{d:.4g} [{lo:.4g}, {hi:.4g}]" in line and d < 0

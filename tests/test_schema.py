@@ -89,10 +89,11 @@ def test_row_file_name_changes_with_every_identity_column():
     assert identity.row_file_name(identity_row(kl_mean=1.0), "x") == base  # measurements are not identity
 
 
-def test_identity_subsets_are_disjoint_and_the_gate_ignores_only_timing_and_machine():
+def test_identity_subsets_are_disjoint_and_the_gate_ignores_only_timing_machine_and_speculation():
     parts = [identity.CONFIG, identity.SCORING, identity.TIMING, identity.MACHINE]
     assert sum(map(len, parts)) == len(set(identity.IDENTITY)) == len(identity.IDENTITY)
-    assert set(identity.IDENTITY) - set(identity.DRIFT) == {*identity.TIMING, *identity.MACHINE}
+    spec = {"spec", "spec_k", "spec_settings", "spec_temperature", "spec_seed"}
+    assert set(identity.IDENTITY) - set(identity.DRIFT) == {*identity.TIMING, *identity.MACHINE, *spec}
 
 
 def test_a_written_row_holds_every_identity_column():

@@ -89,6 +89,36 @@ def test_the_gate_fails_a_wide_margin_mismatch_only():
     assert gate.spec_checks(base | dict(spec_exact=None), GATE) == []  # sampled: no exactness check
 
 
+def test_a_speculative_row_is_checked_against_the_plain_baseline_row(tmp_path):
+    """Speculation runs only in the speed pass, so the drift baseline of a spec row is the plain row of
+    its configuration (it used to find none: "row present" failed); its own check is evaluated too."""
+    plain = one_row(tmp_path)
+    spec_row = plain | dict(spec="ngram", spec_k=7, spec_settings="min_n=5,max_n=5", spec_exact=False)
+    spec_row |= dict(spec_mismatch_margin=2.5)
+    base, stand_in = gate.baseline_row(spec_row, pl.DataFrame([plain]))
+    assert base is not None and base["spec"] == "none" and not stand_in
+    verdicts = gate.evaluate(pl.DataFrame([spec_row | {"kernel": False}]), None, GATE)
+    assert verdicts.filter(pl.col("check") == "spec")["verdict"].to_list() == [gate.FAIL]
+
+
+def test_a_negative_tie_margin_is_refused():
+    with initialize_config_module("tileinfer.conf", version_base="1.3"):
+        cfg = compose("gate", ["gate.spec_tie_margin.bfloat16=-1"])
+    with pytest.raises(UserError, match="gate.spec_tie_margin.bfloat16=-1"):
+        schema.load(cfg)
+
+
+def test_the_gate_keeps_the_speculative_check_without_a_baseline_table(tmp_path, smollm2_gguf):
+    """gate.baseline=null (a fast backend against the reference, before any baseline) still checks the
+    speculative reply; it used to print the kernel checks only."""
+    args = [*SMALL, "spec=ngram", "spec.min_n=2", "spec.max_n=4", "gate.baseline=null", "base.quant=same"]
+    out = subprocess.run(
+        [sys.executable, "-m", "tileinfer.gate", *args, f"runs_dir={tmp_path}"], capture_output=True, text=True
+    )
+    spec_lines = [line for line in out.stdout.splitlines() if "mismatch margin" in line]
+    assert out.returncode == 0 and len(spec_lines) == 1 and "PASS" in spec_lines[0], out.stdout + out.stderr
+
+
 def test_the_widest_mismatch_of_any_prompt_reaches_the_row():
     """Each prompt's first divergence is its own event: a wide one in a later prompt is not hidden
     behind a near-tie in an earlier one."""
@@ -140,13 +170,41 @@ def test_pass_columns_find_the_first_mismatch_and_its_margin():
     assert spec.columns(None) == dict.fromkeys(spec.COLUMNS)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["spec=none", "spec.k=3"], "spec.k is a setting of spec=ngram/draft/dflash, not of spec=none"),
+        (["spec=ngram", "spec.draft_model=smollm2-135m"], "spec.draft_model is a setting of spec=draft, not of"),
+        (["spec=draft", "spec.draft_model=smollm2-135m", "spec.min_n=2"], "spec.min_n is a setting of spec=ngram"),
+        (
+            ["spec=dflash", "spec.dflash=z-lab/x", "spec.draft_quant=bf16"],
+            "spec.draft_quant is a setting of spec=draft",
+        ),
+        (["spec=none", "spec.temperature=0.5"], "spec=none decodes greedily"),
+        (["spec=dflash", "spec.dflash=/nonexistent/drafter"], "/nonexistent/drafter does not exist"),
+        (["spec=draft", "spec.draft_model=./no/such/model"], "no/such/model does not exist"),
+    ],
+)
+def test_a_setting_of_another_proposer_is_refused(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load(*overrides)
+
+
+def test_a_proposer_gets_its_defaults():
+    assert (load("spec=ngram").spec.k, load("spec=ngram").spec.min_n) == (7, 5)
+    assert (load("spec=dflash", "spec.dflash=z-lab/x").spec.k, load("spec=none").spec.k) == (15, None)
+    assert load("spec=draft", "spec.draft_model=m").spec.draft_quant == "bf16"
+
+
 def test_a_draft_with_another_vocabulary_is_refused():
     def tok(vocab):
         return SimpleNamespace(backend=SimpleNamespace(get_vocab=lambda with_added_tokens: vocab))
 
     check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "b": 1}), 2, 4)
-    with pytest.raises(UserError, match="differs from the target's"):
+    with pytest.raises(UserError, match="'b' is id 1 in the target's and None in the draft's"):
         check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "c": 1}), 2, 4)
+    with pytest.raises(UserError, match="'a' is id 0 in the target's and 1 in the draft's"):
+        check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 1, "b": 0}), 2, 4)
     with pytest.raises(UserError, match="has 1 logits"):
         check_same_vocab(tok({"a": 0, "b": 1}), tok({"a": 0, "b": 1}), 1, 4)
     with pytest.raises(UserError, match="has 8 logits"):  # padded ids the target could not embed

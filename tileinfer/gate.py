@@ -25,6 +25,14 @@ The default ``gate.baseline`` (``evals/baselines/MODEL.parquet``) and ``base.dir
 stored base logits shipped in the ``evals`` package, found from any folder; other paths are relative
 to the current folder.
 
+Every check judges a sample estimate by its 95% interval (the row's ``<metric>_lo``/``_hi`` columns,
+:mod:`evals.intervals`): it fails only when the whole interval lies beyond the bound on the bad side
+(:func:`judge`), so a change is failed only when the data show it is worse than the bound, never for
+noise; a point estimate beyond the bound whose interval still reaches it passes as ``PASS (noise)``.
+99.9% KL is checked only on rows of at least ``gate.p999_min_positions`` positions (below, the
+estimate is one of the largest two values); fewer give a ``SKIP`` line. Rows written before
+intervals existed are judged by their point estimates.
+
 Exit codes: 0 all checks hold; 1 some check failed (the verdict table says which); 2 usage errors.
 """
 
@@ -47,6 +55,8 @@ from tileinfer.jobs import identity, job, schema, tables
 from tileinfer.jobs.schema import Config
 
 PASS, FAIL = "PASS", "FAIL"
+NOISE = "PASS (noise)"  # the point estimate is beyond the bound, its interval is not: not shown to be worse
+SKIP = "SKIP"  # 99.9% KL of too few positions
 # The check of a backend without a baseline row of its own against the reference backend's row.
 FALLBACK_CHECK, FALLBACK_BACKEND = "baseline-ref", "reference"
 # gate.baseline's default (conf/gate.yaml, ``${model.name}`` filled in): the table shipped in evals/.
@@ -54,19 +64,53 @@ DEFAULT_BASELINE = "evals/baselines/{model}.parquet"
 _outcome: list[int] = []  # exit code decided by the gate (absent: Hydra or a usage error ended the run)
 
 
+def judge(value: float, lo: float, hi: float, bound: float, higher_is_better: bool = False) -> str:
+    """The verdict of one check: FAIL when the whole interval [lo, hi] lies beyond ``bound`` on the bad
+    side (below it for a metric where higher is better, above it otherwise), PASS when the point
+    estimate ``value`` is within the bound, NOISE when only the point estimate is beyond it.
+
+    The rule tests "worse than the bound" at the interval's level (2.5% one-sided for a 95% interval):
+    a fault is failed once the data show it, and a valid change is not failed for the sampling noise of
+    a small window. Its cost is power: a fault only slightly beyond a bound needs more positions to fail.
+    """
+    if higher_is_better:
+        return FAIL if hi < bound else PASS if value >= bound else NOISE
+    return FAIL if lo > bound else PASS if value <= bound else NOISE
+
+
+def interval(row: dict, metric: str) -> tuple[float, float]:
+    """The row's 95% interval of ``metric`` (its ``_lo``/``_hi`` columns); the point estimate twice for a
+    row without them (written before intervals existed, or a hand-made one)."""
+    lo, hi = row.get(f"{metric}_lo"), row.get(f"{metric}_hi")
+    return (row[metric], row[metric]) if lo is None or hi is None else (lo, hi)
+
+
 def _verdict(
-    kind: str, prompt_set: str, metric: str, baseline, candidate: float, bound: float, higher_is_better: bool = False
+    kind: str,
+    row: dict,
+    metric: str,
+    baseline,
+    bound: float,
+    higher_is_better: bool = False,
+    verdict: str | None = None,
 ) -> dict:
-    ok = candidate >= bound if higher_is_better else candidate <= bound
+    lo, hi = interval(row, metric)
     return dict(
         check=kind,
-        prompt_set=prompt_set,
+        prompt_set=row["prompt_set"],
         metric=metric,
         baseline=baseline,
-        candidate=candidate,
+        candidate=row[metric],
+        lo=lo,
+        hi=hi,
         bound=bound,
-        verdict=PASS if ok else FAIL,
+        verdict=verdict or judge(row[metric], lo, hi, bound, higher_is_better),
     )
+
+
+def p999_checked(row: dict, gate) -> bool:
+    """Whether the row has positions enough (``gate.p999_min_positions``) for its 99.9% KL to be checked."""
+    return (row.get("n_scored") or 0) >= gate["p999_min_positions"]
 
 
 def setup_of(row: dict) -> str:
@@ -106,12 +150,13 @@ def fallback_note(row: dict, gate) -> str:
 
 
 def kernel_checks(row: dict, gate) -> list[dict]:
-    """Candidate vs a base with the same quant config: mean KL, 99.9% KL, top-1 agreement."""
-    b, ps = bounds_for(row, gate), row["prompt_set"]
+    """Candidate vs a base with the same quant config: mean KL, 99.9% KL (on enough positions), top-1
+    agreement, each judged by its interval (:func:`judge`)."""
+    b, p999 = bounds_for(row, gate), p999_checked(row, gate)
     return [
-        _verdict("kernel", ps, "kl_mean", None, row["kl_mean"], b["kl_mean"]),
-        _verdict("kernel", ps, "kl_p999", None, row["kl_p999"], b["kl_p999"]),
-        _verdict("kernel", ps, "top1_agree", None, row["top1_agree"], b["top1_agree"], higher_is_better=True),
+        _verdict("kernel", row, "kl_mean", None, b["kl_mean"]),
+        _verdict("kernel", row, "kl_p999", None, b["kl_p999"], verdict=None if p999 else SKIP),
+        _verdict("kernel", row, "top1_agree", None, b["top1_agree"], higher_is_better=True),
     ]
 
 
@@ -125,7 +170,8 @@ def spec_checks(row: dict, gate) -> list[dict]:
     margin = 0.0 if row["spec_exact"] else row["spec_mismatch_margin"]
     margin = float("inf") if margin is None else margin  # a mismatch without a margin: a length mismatch
     bound = schema.tie_margin(row.get("dtype"), gate.get("spec_tie_margin"))
-    return [_verdict("spec", row["prompt_set"], "mismatch margin", None, margin, bound)]
+    measured = {"prompt_set": row["prompt_set"], "mismatch margin": margin}  # a count, not an estimate: no interval
+    return [_verdict("spec", measured, "mismatch margin", None, bound)]
 
 
 def baseline_checks(row: dict, base: dict | None, gate, margin: dict | None = None) -> list[dict]:
@@ -141,23 +187,29 @@ def baseline_checks(row: dict, base: dict | None, gate, margin: dict | None = No
                 metric="row present",
                 baseline=None,
                 candidate=None,
+                lo=None,
+                hi=None,
                 bound=None,
                 verdict=FAIL,
             )
         ]
     out = [
         _verdict(
-            kind, ps, m, base[m], row[m], base[m] * (1 + gate["max_increase"]) + gate["floor"][m] + extra.get(m, 0.0)
+            kind,
+            row,
+            m,
+            base[m],
+            base[m] * (1 + gate["max_increase"]) + gate["floor"][m] + extra.get(m, 0.0),
+            verdict=None if m == "kl_mean" or p999_checked(row, gate) else SKIP,
         )
         for m in ("kl_mean", "kl_p999")
     ]
     out.append(
         _verdict(
             kind,
-            ps,
+            row,
             "top1_agree",
             base["top1_agree"],
-            row["top1_agree"],
             base["top1_agree"] - gate["max_top1_drop"] - extra.get("top1_agree", 0.0),
             higher_is_better=True,
         )
@@ -197,7 +249,8 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
 
     Returns:
         One row per check: check (kernel | spec | baseline | baseline-ref), prompt_set, metric, baseline,
-        candidate, bound, verdict (PASS | FAIL). ``baseline-ref``: the candidate's backend has no
+        candidate, lo and hi (its 95% interval), bound, verdict (PASS | PASS (noise) | FAIL | SKIP,
+        :func:`judge`, :func:`p999_checked`). ``baseline-ref``: the candidate's backend has no
         row, the reference backend's row stands in with bounds widened by :func:`fallback_margin`.
         A missing baseline row fails (metric ``row present``): the gate cannot certify a
         configuration it has no record of.
@@ -217,6 +270,8 @@ def evaluate(candidate: pl.DataFrame, baseline: pl.DataFrame | None, gate) -> pl
             "metric": pl.String,
             "baseline": pl.Float64,
             "candidate": pl.Float64,
+            "lo": pl.Float64,
+            "hi": pl.Float64,
             "bound": pl.Float64,
             "verdict": pl.String,
         },
@@ -322,8 +377,8 @@ def run_gate(cfg: Config) -> int:
         print(f"baseline updated: {path} ({len(cand)} rows)")
         return 0
     verdicts = evaluate(cand, baseline, asdict(cfg.gate))
-    if path is None:  # kernel checks only, e.g. a new backend before any baseline exists
-        verdicts = verdicts.filter(pl.col("check") == "kernel")
+    if path is None:  # no baseline checks, e.g. a new backend before any baseline exists
+        verdicts = verdicts.filter(pl.col("check").is_in(["kernel", "spec"]))
     else:
         print(f"baseline table: {path}")
     print_verdicts(verdicts)
@@ -337,8 +392,15 @@ def run_gate(cfg: Config) -> int:
     if verdicts.is_empty():
         print("gate: FAIL (no checks ran)")
         return 1
+    noise, skipped = (int((verdicts["verdict"] == v).sum()) for v in (NOISE, SKIP))
+    if skipped:
+        print(
+            f"kl_p999 not checked ({skipped}x): fewer than gate.p999_min_positions={cfg.gate.p999_min_positions} "
+            "scored positions (add positions: eval=corpus, or eval.n_score)"
+        )
     if failed.is_empty():
-        print(f"gate: PASS ({len(verdicts)} checks)")
+        extra = ", ".join(t for t in (noise and f"{noise} within noise", skipped and f"{skipped} skipped") if t)
+        print(f"gate: PASS ({len(verdicts)} checks" + (f"; {extra}" if extra else "") + ")")
         return 0
     print(
         f"gate: FAIL ({len(failed)} of {len(verdicts)} checks)"

@@ -42,6 +42,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import polars as pl  # noqa: E402
 
+from evals.intervals import paired_difference  # noqa: E402
 from evals.metrics import DEGENERATE_REPEAT, LLAMA_CPP_LABELS  # noqa: E402
 from tileinfer.core import files  # noqa: E402
 from tileinfer.core.errors import UserError, exit_on_user_error  # noqa: E402
@@ -57,6 +58,7 @@ SPEC = {"spec": pl.String, "spec_k": pl.Int64, "spec_settings": pl.String, "spec
 DETERMINED = (
     "prompt_set",
     "prompts_sha256",
+    "corpus",
     "model_sha256",
     "weights",
     "kv_cache",
@@ -89,7 +91,19 @@ DRIFT_COLUMNS = [
     ("top1_agree", _label("top1_agree") + " (%)", "{:.2f}", 100),
     ("ppl_base", _label("ppl_base"), "{:.4f}"),
     ("ppl_cand", _label("ppl_cand"), "{:.4f}"),
+    ("ln_ppl_ratio", _label("ln_ppl_ratio"), "{:.4g}"),
 ]
+# llama.cpp's "± 1 sigma" figures (evals.intervals.llama_sigma), shown in a table of their own.
+SIGMA_COLUMNS = [
+    ("kl_mean", _label("kl_mean"), "{:.4g}"),
+    ("top1_agree", _label("top1_agree") + " (%)", "{:.2f}", 100),
+    ("ppl_base", _label("ppl_base"), "{:.4f}"),
+    ("ppl_cand", _label("ppl_cand"), "{:.4f}"),
+    ("ln_ppl_ratio", _label("ln_ppl_ratio"), "{:.4g}"),
+]
+# Configurations compared position by position where they scored the same positions: the one column
+# in which two rows differ -> what the difference measures.
+PAIRED = {"smooth_keys": "key smoothing", "backend": "backend"}
 
 
 def load_rows(runs_dir: Path) -> tuple[pl.DataFrame, Path, int]:
@@ -182,6 +196,21 @@ def _fmt(value, pattern: str, scale: float = 1) -> str:
     return pattern.format(value * scale)
 
 
+def _with_interval(r: dict, column: str, pattern: str, scale: float = 1) -> str:
+    """``value [lo, hi]`` where the row has the 95% interval of ``column``, else the value alone."""
+    text = _fmt(r.get(column), pattern, scale)
+    lo, hi = r.get(f"{column}_lo"), r.get(f"{column}_hi")
+    if not (_finite(lo) and _finite(hi)):
+        return text
+    return f"{text} [{_fmt(lo, pattern, scale)}, {_fmt(hi, pattern, scale)}]"
+
+
+def _with_sigma(r: dict, column: str, pattern: str, scale: float = 1) -> str:
+    """``value ± sigma`` (llama.cpp's one standard error) where the row has it."""
+    sigma = r.get(f"{column}_sigma")
+    return _fmt(r.get(column), pattern, scale) + (f" ± {_fmt(sigma, pattern, scale)}" if _finite(sigma) else "")
+
+
 def _speed(value, ref) -> str:
     """``1,234 (1.76×)`` (three significant digits below 100 tok/s); without a BF16 base
     just ``1,234``."""
@@ -222,7 +251,7 @@ def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
         greedy = _fmt(r.get("greedy_agree_len"), "{:.4g}") + (f" of {per_prompt:.0f}" if per_prompt else "")
         cells = (
             [r["config"]]
-            + [_fmt(r.get(c), f, *s) for c, _, f, *s in DRIFT_COLUMNS]
+            + [_with_interval(r, c, f, *s) for c, _, f, *s in DRIFT_COLUMNS]
             + [
                 greedy,
                 _speed(r.get("prefill_tok_s"), ref.get("prefill_tok_s")),
@@ -239,6 +268,14 @@ def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
                 f"no plain (spec=none) row of {', '.join(borrowed)}: its drift and decode speed are those of its "
                 "speculative row (drift is scored alike; its plain decode was timed in that job)."
             )
+    if "ci_unit" in rows.columns and rows["ci_unit"].is_not_null().any():
+        units = ", ".join(
+            f"{u} ({n})" for u, n in rows.select("ci_unit", "ci_units").unique(maintain_order=True).rows()
+        )
+        notes.append(
+            "[lo, hi]: 95% intervals; Same top p by Wilson's score interval, the KL statistics and "
+            f"ln(PPL(Q)/PPL(base)) by the BCa bootstrap over {units} (evals/intervals.py)."
+        )
     if est:
         notes.append(
             "some KL values are estimates (see the KL estimate column), not exact sums over the vocabulary: "
@@ -247,6 +284,62 @@ def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
             "4.8% at K=256; 99.9% KL 2.7% low at K=64; tests/test_base_logits.py)."
         )
     return "\n".join(lines), notes
+
+
+def sigma_table(rows: pl.DataFrame) -> str | None:
+    """llama.cpp's ``value ± 1 sigma`` figures of each configuration (positions taken as independent), or
+    None for rows without them."""
+    if "kl_mean_sigma" not in rows.columns or rows["kl_mean_sigma"].is_null().all():
+        return None
+    head = ["Config"] + [f"{h} ± 1σ" for _, h, *_ in SIGMA_COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows.iter_rows(named=True):
+        lines.append(
+            "| " + " | ".join([r["config"]] + [_with_sigma(r, c, f, *s) for c, _, f, *s in SIGMA_COLUMNS]) + " |"
+        )
+    return "\n".join(lines)
+
+
+def _positions(r: dict) -> pl.DataFrame | None:
+    """The per-position KL and window or prompt of a row (``group`` 0 throughout for files written before
+    it was saved), or None without a positions file."""
+    f = Path(r["row_file"]).with_suffix(".positions.parquet")
+    if not f.is_file():
+        return None
+    p = pl.read_parquet(f).sort("position")
+    return p if "group" in p.columns else p.with_columns(group=pl.lit(0))
+
+
+def paired_table(rows: pl.DataFrame) -> str | None:
+    """Mean KL differences, with 95% intervals (:func:`evals.intervals.paired_difference`), of rows that
+    scored the same positions (same prompt set or corpus, base, prompts, count) and differ in one column of
+    :data:`PAIRED` only: what key smoothing buys, what a backend changes. None when no such pair exists."""
+    fixed = [c for c in (*identity.CONFIG, *identity.SCORING, "n_scored") if c in rows.columns and c not in PAIRED]
+    lines = []
+    for column, what in PAIRED.items():
+        free = (
+            {column, "smooth_alpha", "calibration_tokens", "calibration_sha256"}
+            if column == "smooth_keys"
+            else {column}
+        )
+        key = [c for c in fixed if c not in free]
+        for _, pair in rows.group_by(key, maintain_order=True):
+            if len(pair) != 2 or pair[column].n_unique() != 2:
+                continue
+            a, b = pair.sort(column, descending=True).iter_rows(named=True)
+            pa, pb = _positions(a), _positions(b)
+            if pa is None or pb is None or len(pa) != len(pb):
+                continue
+            d, lo, hi = paired_difference(pa["kl"].to_numpy(), pb["kl"].to_numpy(), pa["group"].to_numpy())
+            relative = f"{d / b['kl_mean']:+.0%}" if b["kl_mean"] else "–"
+            lines.append(
+                f"| {what} | {a['model']}, ctx {a['ctx']}, {a['prompt_set']} | {a['config']}, {a['backend']} | "
+                f"{b['config']}, {b['backend']} | {d:.4g} [{lo:.4g}, {hi:.4g}] | {relative} |"
+            )
+    if not lines:
+        return None
+    head = "| change | where | A | B | Mean KLD A − B [95%] | relative to B |\n|---|---|---|---|---|---|"
+    return head + "\n" + "\n".join(lines)
 
 
 def _save(fig, path: Path) -> None:
@@ -285,6 +378,9 @@ def scatter_plot(group: pl.DataFrame, title: str, colors: dict, path: Path) -> l
             notes.append(f"{lab} / {r['prompt_set']}: mean KL {kl} cannot be shown on a log axis, not plotted.")
         else:
             plotted += 1
+            lo, hi = r.get("kl_mean_lo"), r.get("kl_mean_hi")
+            if _finite(lo) and _finite(hi):  # the 95% interval of the mean KL
+                ax.errorbar(speed, kl, yerr=[[kl - lo], [hi - kl]], fmt="none", ecolor=colors[lab], capsize=3, zorder=2)
             ax.scatter(
                 speed,
                 kl,
@@ -302,9 +398,9 @@ def scatter_plot(group: pl.DataFrame, title: str, colors: dict, path: Path) -> l
         ax.scatter([], [], color="white", edgecolors="black", marker=m, label=f"prompt set: {ps}")
     if not plotted:  # only BF16 lines: a log axis needs positive limits to draw them
         ax.set_ylim(1e-6, 1.0)
-    ax.set_yscale("log")
+    ax.set_yscale("log", nonpositive="clip")  # an interval reaching 0 is cut at the axis
     ax.set_xlabel("decode speed (tokens/s, higher is better)")
-    ax.set_ylabel("mean KL(BF16 ‖ config) (nats, log scale)")
+    ax.set_ylabel("mean KL(BF16 ‖ config) (nats, log scale; bars: 95% interval)")
     ax.set_title(f"Accuracy vs. speed — {title}")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
@@ -366,6 +462,11 @@ def position_plot(rows: pl.DataFrame, title: str, colors: dict, path: Path) -> t
 
 def _finite(value) -> bool:
     return value is not None and bool(np.isfinite(value))
+
+
+def _is_corpus(rows: pl.DataFrame) -> bool:
+    """Whether ``rows`` (of one prompt set) scored a corpus's windows rather than prompts and replies."""
+    return "corpus" in rows.columns and rows["corpus"].is_not_null().any()
 
 
 def exact_cell(r: dict) -> str:
@@ -654,13 +755,18 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
         for (prompt_set,), rs in group.group_by("prompt_set", maintain_order=True):
             table, notes = markdown_table(rs)
             n = rs["n_scored"].max()
-            md += [
-                "",
-                f"### Prompt set `{prompt_set}` ({rs['n_prompts'].max()} prompt(s), {n} scored positions)",
-                "",
-                table,
-            ]
+            kind = (
+                f"Corpus `{prompt_set}` ({rs['n_windows'].max()} window(s)"
+                if _is_corpus(rs)
+                else (f"Prompt set `{prompt_set}` ({rs['n_prompts'].max()} prompt(s)")
+            )
+            md += ["", f"### {kind}, {n} scored positions)", "", table]
             md += [f"\nNote: {t}" for t in notes]
+            sigma = sigma_table(rs)
+            if sigma:
+                md += ["", f"#### llama.cpp's ± 1σ figures, {prompt_set}", ""]
+                md += ["Positions taken as independent, as llama.cpp does: narrower than the intervals above.", ""]
+                md += [sigma]
         scatter = out_dir / f"scatter-{_slug(*slug)}.png"
         notes = scatter_plot(group, title, colors, scatter)
         md += ["", f"![mean KL against decode speed, {title}]({scatter.name})"]
@@ -674,6 +780,17 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
                 notes.append(f"no positions files for prompt set {prompt_set}, so no KL-per-position plot.")
             md += [f"\nNote: {t}" for t in notes]
         md += spec_section(every, title, slug, out_dir)
+    paired = paired_table(plain_rows(rows))
+    if paired:
+        md += [
+            "",
+            "## Paired differences",
+            "",
+            "Configurations that scored the same positions and differ in one setting, compared position by "
+            "position (the shared variation cancels; 95% BCa interval over the same units as the rows'):",
+            "",
+            paired,
+        ]
     report = out_dir / "report.md"
     files.write_text(report, "\n".join(md) + "\n")
     return report

@@ -153,11 +153,11 @@ def check_same_vocab(target_tok, draft_tok, draft_vocab: int, target_vocab: int)
     a = target_tok.backend.get_vocab(with_added_tokens=True)
     b = draft_tok.backend.get_vocab(with_added_tokens=True)
     if a != b:
-        differ = sorted(set(a.items()) ^ set(b.items()))[:1]
+        token = next((t for t in sorted(a.keys() | b.keys()) if a.get(t) != b.get(t)), None)
         raise UserError(
-            f"the draft model's tokenizer differs from the target's ({len(b)} vs {len(a)} tokens"
-            + (f", e.g. {differ[0][0]!r}" if differ else "")
-            + "): speculative decoding needs the same tokenizer"
+            f"the draft model's tokenizer ({len(b)} tokens) is not the target's ({len(a)} tokens; e.g. "
+            f"{token!r} is id {a.get(token)} in the target's and {b.get(token)} in the draft's): "
+            "speculative decoding needs the same tokenizer"
         )
     if not max(a.values()) < draft_vocab <= target_vocab:
         raise UserError(

@@ -75,8 +75,9 @@ def check_finite(logits: torch.Tensor) -> torch.Tensor:
 class PassResult:
     """Timings of one teacher-forced pass (seconds, from a synchronized host clock); ``prefill_s`` is
     None when the prefill was resumed from a snapshot (not timed in one piece). ``decoded`` holds the
-    timed plain decode steps' greedy tokens and ``margins`` their top-1 minus top-2 logit; ``spec``
-    the speculative run over the same steps (None without a proposer)."""
+    timed plain decode steps' greedy tokens and ``margins`` their top-1 minus top-2 logit (measured,
+    untimed, only for greedy speculation; else empty); ``spec`` the speculative run over the same
+    steps (None without a proposer)."""
 
     prefill_s: float | None
     decode_s: float
@@ -250,24 +251,32 @@ def teacher_forced(
                 snaps.save(runner, seq, prompt, state.first, state.first)
             raise
         seq.truncate(stream.prompt_len)
-        token, decoded, logits = reply[0], [], []
+        token, decoded = reply[0], []
         runner.synchronize()
         t0 = time.perf_counter()
-        for _ in range(decode_steps):
-            logits.append(runner.decode(seq, token))
-            token = int(runner.ops.argmax(logits[-1][None])[0])
+        for _ in range(decode_steps):  # as greedy generation runs: the argmax inside the decode graph
+            token = runner.decode_greedy(seq, token)
             decoded.append(token)
         runner.synchronize()
         decode_s = time.perf_counter() - t0
-        top2 = torch.stack(logits).topk(2, dim=-1).values if logits else torch.zeros(0, 2)
-        result = PassResult(prefill_s, decode_s, decode_steps, decoded, (top2[:, 0] - top2[:, 1]).tolist())
+        result = PassResult(prefill_s, decode_s, decode_steps, decoded, [])
         if spec is not None:
+            if spec.sampling.temperature == 0:  # margins where a speculative reply may part: untimed, same steps
+                seq.truncate(stream.prompt_len)
+                result.margins = top2_margins(runner, seq, [reply[0], *decoded[:-1]])
             seq.truncate(stream.prompt_len)
             result.spec = spec.run(runner, seq, prompt + reply[:1], decode_steps)
         if timings is not None:
             timings.append(result)
     finally:
         seq.release()
+
+
+def top2_margins(runner: ModelRunner, seq, tokens: list[int]) -> list[float]:
+    """Decode ``tokens`` one step each (the logits graph of the timed steps' path); the top-1 minus
+    top-2 logit of every step."""
+    top2 = torch.stack([runner.decode(seq, t) for t in tokens]).topk(2, dim=-1).values if tokens else None
+    return [] if top2 is None else (top2[:, 0] - top2[:, 1]).tolist()
 
 
 def full_logits(runner: ModelRunner, stream: Stream) -> FullLogits:
@@ -286,7 +295,7 @@ def warm_up(runner: ModelRunner, stream, spec: Speculation | None = None) -> Non
         tokens = [int(t) for t in stream.tokens[: n + 1]]
         prefill(runner, seq, tokens[:n], Snapshots(None), None, spec and spec.proposer)
         for t in tokens[n:]:
-            runner.decode(seq, t)
+            runner.decode_greedy(seq, t)  # the timed decode steps' graph
         if spec is not None:
             if not spec.proposer.hidden_layers:  # a verify graph per draft length, captured untimed
                 verify = runner.verify if spec.sampling.temperature > 0 else runner.verify_greedy

@@ -30,12 +30,15 @@ CONFIG = (
     "spec_temperature",
     "spec_seed",
 )
-# How it is scored: prompt, scored window, base side, and the runner settings that reorder sums.
+# How it is scored: prompt (or corpus: its spec, how many windows; prompts_sha256 hashes the windows'
+# tokens), scored window, base side, and the runner settings that reorder sums.
 SCORING = (
     "ctx",
     "ctx_tokens",
     "prompt_set",
     "prompts_sha256",
+    "corpus",
+    "n_windows",
     "add_bos",
     "n_score",
     "base",
@@ -50,15 +53,25 @@ MACHINE = ("device", "cpu_threads")
 
 IDENTITY = CONFIG + SCORING + TIMING + MACHINE
 # The gate compares drift across machines and timing settings: a baseline row recorded on one CPU
-# certifies the same configuration on another (its margins absorb the rounding differences).
-DRIFT = CONFIG + SCORING
+# certifies the same configuration on another (its margins absorb the rounding differences); and
+# across speculative decoding, which only the speed pass runs (the scored logits are teacher-forced),
+# so a speculative row is checked against the plain row of its configuration.
+DRIFT = tuple(c for c in CONFIG if not c.startswith("spec")) + SCORING
 
 # Columns renamed since rows were first written: old name -> new name (old rows still load).
 RENAMED = {"reference": "base", "ppl_ref": "ppl_base", "p_ref_mean": "p_base_mean"}
 # Identity columns added since: the value that means what rows written before them did (add_bos:
 # null, "not a setting", as for the built-in chat prompts; text files got no BOS then; the spec
-# settings: null, as for spec=none, the only proposer then).
-ADDED = {"add_bos": None, "spec_k": None, "spec_settings": None, "spec_temperature": None, "spec_seed": None}
+# settings: null, as for spec=none, the only proposer then; corpus, n_windows: null, prompt sets only).
+ADDED = {
+    "add_bos": None,
+    "spec_k": None,
+    "spec_settings": None,
+    "spec_temperature": None,
+    "spec_seed": None,
+    "corpus": None,
+    "n_windows": None,
+}
 
 
 def content_hash(value) -> str:

@@ -14,12 +14,12 @@ import json
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from evals import base_logits
+from evals import base_logits, corpus
 from evals.base_logits import FullLogits, TopKLogits
 from evals.prompts import PROMPT_SETS, build_prompt, build_text_prompt, load_text_prompts
 from quantize import QuantScheme, calibration_text
@@ -87,12 +87,14 @@ def fit_ctx(cfg: Config, max_ctx: int) -> int:
     Raises:
         UserError: ctx larger than the model's context, or no room left for the scored window.
     """
-    want, tail = cfg.ctx.tokens, max(cfg.eval.n_score, cfg.speed.decode_tokens)
+    want = cfg.ctx.tokens
+    # a corpus window is ctx tokens, its timed decode steps start in its middle; a prompt is followed by its reply
+    tail = max(cfg.eval.n_score, cfg.speed.decode_tokens) if cfg.eval.prompt_sets else 0
     if want > max_ctx:
         raise UserError(
             f"ctx={cfg.ctx.name} ({want} tokens) exceeds the context of {cfg.model.name} ({max_ctx} tokens)"
         )
-    if tail >= max_ctx:
+    if tail and tail >= max_ctx:
         key = "eval.n_score" if cfg.eval.n_score >= cfg.speed.decode_tokens else "speed.decode_tokens"
         raise UserError(f"{key}={tail} leaves no room for a prompt in the {max_ctx}-token context of {cfg.model.name}")
     return min(want, max_ctx - tail)
@@ -242,7 +244,7 @@ def prompt_sets(cfg: Config, tok: Tokenizer, ctx_tokens: int) -> dict[str, list[
     """
     out = {}
     files = [n for n in cfg.eval.prompt_sets if n not in PROMPT_SETS]
-    if cfg.eval.add_bos is not None and not files:
+    if cfg.eval.add_bos is not None and not files and not cfg.eval.corpora:
         raise UserError(
             f"eval.add_bos={str(cfg.eval.add_bos).lower()} applies to prompt files; the built-in sets "
             f"{', '.join(cfg.eval.prompt_sets)} follow their chat template"
@@ -266,6 +268,28 @@ def prompt_sets(cfg: Config, tok: Tokenizer, ctx_tokens: int) -> dict[str, list[
     return out
 
 
+def corpus_sets(
+    cfg: Config, tok: Tokenizer, ctx_tokens: int
+) -> tuple[dict[str, list[list[int]]], dict[str, str], dict]:
+    """The windows of every corpus of ``eval.corpora`` by name (:func:`evals.corpus.corpus_name`), what each
+    name stands for, and how many tokens each corpus has. Windows start with BOS when :func:`add_bos` says so.
+
+    Raises:
+        UserError: a corpus that cannot be read or is shorter than one window, or two of one name (or of
+            a prompt set's name: rows and caches are named by it).
+    """
+    windows, specs, tokens = {}, {}, {}
+    bos = tok.bos_token_id if cfg.eval.corpora and add_bos(cfg, tok) else None
+    taken = set(cfg.eval.prompt_sets) | {Path(n).stem for n in cfg.eval.prompt_sets}
+    for entry in cfg.eval.corpora:
+        name = corpus.corpus_name(entry)
+        if name in specs or name in taken:
+            raise UserError(f"corpus {entry} has the name {name!r} of another corpus or prompt set: rename the file")
+        ids, n = corpus.corpus_windows(tok, entry, ctx_tokens, bos, cfg.eval.n_windows, cfg.eval.text_column)
+        windows[name], specs[name], tokens[name] = ids, entry, n
+    return windows, specs, tokens
+
+
 @dataclass
 class Job:
     """A resolved job: candidate and base configurations, and where its rows go."""
@@ -276,12 +300,17 @@ class Job:
     base_backend: str
     base_scheme: QuantScheme
     ctx_tokens: int
-    prompts: dict[str, list[list[int]]]
+    prompts: dict[str, list[list[int]]]  # prompt sets' prompts, and corpora's windows (evals.corpus)
     draft_sha: str | None = None  # the draft model's checkpoint hash (spec=draft)
+    corpora: dict[str, str] = field(default_factory=dict)  # the corpora among ``prompts``: name -> eval.corpora entry
+    corpus_tokens: dict[str, int] = field(default_factory=dict)  # tokens each corpus has (its windows may use fewer)
 
     @property
     def max_len(self) -> int:
-        return self.ctx_tokens + max(self.cfg.eval.n_score, self.cfg.speed.decode_tokens)
+        e, decode = self.cfg.eval, self.cfg.speed.decode_tokens
+        prompts = self.ctx_tokens + max(e.n_score, decode) if e.prompt_sets else 0
+        windows = max(self.ctx_tokens, corpus.prompt_len(self.ctx_tokens) + decode) if self.corpora else 0
+        return max(prompts, windows)
 
     @property
     def cpu_threads(self) -> int | None:
@@ -320,7 +349,8 @@ class Job:
         """What the stored base logits of prompt ``i`` of ``prompt_set`` hold (their file name without
         the backend): base quant config, prompt, prompt length and scored positions."""
         label = quant_label(self.base_quant_name, self.base_scheme)
-        return f"{label}-{prompt_set}{i}-ctx{self.ctx_tokens}-n{self.cfg.eval.n_score}"
+        scored = "window" if prompt_set in self.corpora else f"n{self.cfg.eval.n_score}"
+        return f"{label}-{prompt_set}{i}-ctx{self.ctx_tokens}-{scored}"
 
     def stored_base_path(self, prompt_set: str, i: int) -> Path:
         """File of the stored base logits recorded for this job's base configuration."""
@@ -348,10 +378,12 @@ class Job:
                 ctx_tokens=self.ctx_tokens,
                 prompt_set=prompt_set,
                 prompts_sha256=identity.content_hash(self.prompts[prompt_set]),
+                corpus=self.corpora.get(prompt_set),
+                n_windows=len(self.prompts[prompt_set]) if prompt_set in self.corpora else None,
                 add_bos=None
                 if prompt_set in PROMPT_SETS and prompt_set in c.eval.prompt_sets
                 else add_bos(c, self.loaded.tokenizer),
-                n_score=c.eval.n_score,
+                n_score=None if prompt_set in self.corpora else c.eval.n_score,
                 base=self.base_label,
                 top_k=c.base.top_k if c.base.source == "stored" else None,
                 page_size=c.kv.page_size,
@@ -386,10 +418,12 @@ class Job:
                     f"stored base logits for {prompt_set} keep the top {base[0].k} tokens, not "
                     f"base.top_k={c.base.top_k}: set base.top_k={base[0].k}"
                 )
-            if any(b.prompt_len != self.ctx_tokens for b in base):
+            window = prompt_set in self.corpora  # a corpus window holds the scored tokens too
+            if any(b.prompt_len != (corpus.prompt_len(self.ctx_tokens) if window else self.ctx_tokens) for b in base):
                 raise UserError(f"stored base logits for {prompt_set} have another ctx than {self.ctx_tokens}")
             for i, (b, prompt) in enumerate(zip(base, self.prompts[prompt_set], strict=True)):
-                if b.tokens[: b.prompt_len].tolist() != list(prompt):  # an edited file, another tokenizer
+                recorded = b.tokens if window else b.tokens[: b.prompt_len]
+                if recorded.tolist() != list(prompt):  # an edited file, another tokenizer
                     raise UserError(
                         f"stored base logits {self.stored_base_path(prompt_set, i)} were recorded on another "
                         "prompt: record them again"
@@ -408,6 +442,7 @@ class Job:
             prompt_set,
             self.ctx_tokens,
             c.eval.n_score,
+            identity.content_hash(self.prompts[prompt_set]),
         )
         if key in _BASE_LOGITS:
             _BASE_LOGITS.move_to_end(key)
@@ -422,6 +457,13 @@ class Job:
         )
         base = []
         for i, prompt in enumerate(self.prompts[prompt_set]):
+            if prompt_set in self.corpora:  # teacher-forced over the window's second half: nothing to generate
+                n = corpus.prompt_len(len(prompt))
+                snaps = Snapshots(
+                    cache / f"{prompt_set}{i}-ctx{self.ctx_tokens}-window-c{c.kv.prefill_chunk}.resume.pt", c.snapshot_s
+                )
+                base.append(drift.base_pass(base_runner, prompt[:n], len(prompt) - n, set(), snaps, prompt[n:]))
+                continue
             f = cache / f"{prompt_set}{i}-ctx{self.ctx_tokens}-n{c.eval.n_score}.json"
             stream = drift.load_stream(f, prompt, c.eval.n_score)
             snaps = Snapshots(f.with_name(f"{f.stem}-c{c.kv.prefill_chunk}.resume.pt"), c.snapshot_s)
@@ -460,9 +502,9 @@ def resolve(cfg: Config) -> Job:
     base_scheme = scheme if cfg.base.quant == "same" else QuantScheme("bf16", "bf16").effective()
     loaded = load_model(cfg, device)
     ctx_tokens = fit_ctx(cfg, loaded.checkpoint.config.max_position_embeddings)
-    job = Job(
-        cfg, loaded, scheme, base_backend, base_scheme, ctx_tokens, prompt_sets(cfg, loaded.tokenizer, ctx_tokens)
-    )
+    windows, corpora, corpus_tokens = corpus_sets(cfg, loaded.tokenizer, ctx_tokens)
+    prompts = prompt_sets(cfg, loaded.tokenizer, ctx_tokens) | windows
+    job = Job(cfg, loaded, scheme, base_backend, base_scheme, ctx_tokens, prompts, None, corpora, corpus_tokens)
     room = job.max_len - ctx_tokens
     if cfg.spec.name != "none" and cfg.spec.k >= room:
         raise UserError(
@@ -504,12 +546,22 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
         hidden = speculation is not None and speculation.proposer.hidden_layers
         snaps = [Snapshots(None) if hidden else job.snapshots(path, i) for i in range(len(base))]
         passes: list[drift.PassResult] = []
+        window = set_name in job.corpora  # a corpus times decoding (and speculation) after its first window only
+        timed = [i == 0 or not window for i in range(len(base))]
         results = [
-            drift.score(cand_runner, b, cfg.speed.decode_tokens, s, speculation, passes)
-            for b, s in zip(base, snaps, strict=True)
+            drift.score(
+                cand_runner,
+                b,
+                cfg.speed.decode_tokens if t else 0,
+                s,
+                speculation if t else None,
+                passes if t else None,
+            )
+            for b, s, t in zip(base, snaps, timed, strict=True)
         ]
         greedy = cfg.spec.temperature == 0
         spec_cols = spec.columns([spec.pass_columns(t, greedy) for t in passes] if speculation else None)
+        corpus_cols = {"corpus_tokens": job.corpus_tokens[set_name]} if window else {}
         row = tables.make_row(
             keys[set_name],
             results,
@@ -520,9 +572,11 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
             kl_estimate="exact" if isinstance(base[0], FullLogits) else f"topk{base[0].k}+tail",
             fallbacks=ops.fallbacks(),
             replies=[b.tokens[b.prompt_len :].tolist() for b in base],
-            extra=spec_cols,
+            extra=spec_cols | corpus_cols,
+            unit="window" if window else "prompt",
         )
-        tables.write_row(path, row, {k: torch.cat([r[1][k] for r in results]) for k in ("kl", "top1_agree", "dp")})
+        per_position = {k: torch.cat([r[1][k] for r in results]) for k in tables.POSITION_COLUMNS}
+        tables.write_row(path, row, per_position | {"group": tables.position_groups(results)})
         if row["degenerate"]:
             print(
                 f"warning: {set_name}: {row['reply_repeat_frac']:.0%} of the base reply repeats its own 4-grams "

@@ -138,6 +138,15 @@ class BackendGroup:
     name: str = _choice(MISSING, "auto", *BACKENDS)
 
 
+# Each proposer's settings and their defaults (k = 7 as TileInfer.jl; n-gram lengths as vLLM's; DFlash
+# drafts a block of 16 less the anchor token). draft_model and dflash have no default.
+SPEC_DEFAULTS = {
+    "ngram": {"k": 7, "min_n": 5, "max_n": 5},
+    "draft": {"k": 7, "draft_model": None, "draft_quant": "bf16"},
+    "dflash": {"k": 15, "dflash": None},
+}
+
+
 @dataclass
 class SpecGroup:
     """Speculative decoding (``conf/spec/NAME.yaml``): the proposer and its settings.
@@ -150,17 +159,31 @@ class SpecGroup:
     """
 
     name: str = _choice("none", "none", "ngram", "draft", "dflash")
-    k: int = _num(7, 1)
-    min_n: int = _num(5, 1)
-    max_n: int = _num(5, 1)
+    # the proposer's own settings (null: the proposer's default, SPEC_DEFAULTS); another proposer's is refused
+    k: Optional[int] = _num(None, 1)
+    min_n: Optional[int] = _num(None, 1)
+    max_n: Optional[int] = _num(None, 1)
     draft_model: Optional[str] = None
-    draft_quant: str = _choice("bf16", *QUANT_NAMES)
+    draft_quant: Optional[str] = _choice(None, None, *QUANT_NAMES)
     dflash: Optional[str] = None
     temperature: float = _num(0.0, 0.0)
     seed: int = 0
 
     def __post_init__(self):
-        if self.max_n < self.min_n:
+        own = SPEC_DEFAULTS.get(self.name, {})
+        for key in ("k", "min_n", "max_n", "draft_model", "draft_quant", "dflash"):
+            if key not in own and getattr(self, key) is not None:
+                users = "/".join(name for name, settings in SPEC_DEFAULTS.items() if key in settings)
+                raise UserError(f"spec.{key} is a setting of spec={users}, not of spec={self.name}")
+            if key in own and getattr(self, key) is None:
+                setattr(self, key, own[key])
+        for key in ("draft_model", "dflash"):  # a local path that is not there, refused before any work
+            value = getattr(self, key)
+            if value and value.startswith(("/", ".", "~")) and not Path(value).expanduser().exists():
+                raise UserError(f"spec.{key}={value}: {Path(value).expanduser()} does not exist")
+        if self.name == "none" and self.temperature > 0:
+            raise UserError("spec.temperature applies to speculative verification: spec=none decodes greedily")
+        if self.name == "ngram" and self.max_n < self.min_n:
             raise UserError(f"spec.max_n={self.max_n} is below spec.min_n={self.min_n}")
         if self.name == "draft" and not self.draft_model:
             raise UserError("spec=draft needs spec.draft_model=NAME (a conf/model name or a local checkpoint path)")
@@ -173,8 +196,15 @@ class SpecGroup:
 
 @dataclass
 class EvalGroup:
+    """``conf/eval/NAME.yaml``: what is scored. ``default``: prompt sets, each followed by the base
+    model's greedy reply; ``corpus``: text corpora in llama.cpp's windows (evals/corpus.py)."""
+
     prompt_sets: list[str] = field(default_factory=lambda: ["edit", "explain"])  # built-in names or file paths
     n_score: int = _num(1024, 1)  # scored positions: the base model's greedy reply after the prompt
+    # built-in corpora (pydoc, stdlib), local text/json/jsonl/parquet/csv files, or hf:REPO[:CONFIG[:SPLIT]]
+    corpora: list[str] = field(default_factory=list)
+    n_windows: int = _num(10, 1)  # at most this many ctx-token windows per corpus (the first ones)
+    text_column: str = "text"  # the column of a corpus's records that holds the text
     # BOS before a text prompt file's tokens (llama.cpp's perplexity/KL does); null: the tokenizer's
     # add_bos_token. The built-in chat prompts follow their chat template instead.
     add_bos: Optional[bool] = None
@@ -229,6 +259,7 @@ class GateSettings:
     max_increase: Any = _num(MISSING, -1.0)  # < 0 demands an improvement
     floor: dict[str, Any] = MISSING  # {kl_mean, kl_p999}
     max_top1_drop: Any = _num(MISSING, 0.0, 1.0)
+    p999_min_positions: int = _num(2000, 1)  # fewer scored positions: 99.9% KL is not checked
     # logits per model dtype: a speculative mismatch within it is a near-tie (SPEC_TIE_MARGIN)
     spec_tie_margin: dict[str, float] = field(default_factory=lambda: dict(SPEC_TIE_MARGIN))
 
@@ -245,6 +276,8 @@ class GateSettings:
             check_number(
                 f"gate.floor.{metric}", self.floor.get(metric) if isinstance(self.floor, dict) else None, lo=0.0
             )
+        for dtype, margin in self.spec_tie_margin.items():
+            check_number(f"gate.spec_tie_margin.{dtype}", margin, lo=0.0)
 
 
 @dataclass
@@ -270,8 +303,13 @@ class Config:
 
     def __post_init__(self):
         check_ranges(self)
-        if not self.eval.prompt_sets:
-            raise UserError("eval.prompt_sets must be a non-empty list, e.g. eval.prompt_sets=[edit,explain]")
+        if not self.eval.prompt_sets and not self.eval.corpora:
+            raise UserError(
+                "eval.prompt_sets must be a non-empty list, e.g. eval.prompt_sets=[edit,explain], unless "
+                "eval.corpora names corpora (eval=corpus)"
+            )
+        if self.eval.corpora and self.ctx.tokens < 2:
+            raise UserError(f"ctx.tokens={self.ctx.tokens}: a corpus window needs at least 2 tokens")
 
 
 def check_number(key: str, v, kind=float, lo=None, hi=None) -> None:
@@ -298,8 +336,8 @@ def check_ranges(node, prefix: str = "") -> None:
         elif "choices" in f.metadata and value not in f.metadata["choices"]:
             shown = ", ".join("null" if c is None else str(c) for c in f.metadata["choices"])
             raise UserError(f"{key}={value}: expected one of {shown}")
-        elif "lo" in f.metadata:
-            check_number(key, value, int if f.type == "int" else float, f.metadata["lo"], f.metadata["hi"])
+        elif "lo" in f.metadata and value is not None:
+            check_number(key, value, int if "int" in f.type else float, f.metadata["lo"], f.metadata["hi"])
 
 
 def unknown_keys(node: DictConfig, schema_type: type, prefix: str = "") -> list[str]:

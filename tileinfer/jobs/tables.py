@@ -1,13 +1,16 @@
 """Result tables: one Polars row per (model, quant, ctx, prompt set, backend), written atomically.
 
 A row file ``rows/.../NAME.parquet`` holds the row; ``NAME.positions.parquet`` beside it holds the
-per-position KL divergence, top-1 agreement and Δp along the scored window (for plots). A summary
-gathers every row under a folder into one table, printed and saved as Parquet and Markdown.
+per-position KL divergence, top-1 agreement, Δp and next-token log-probabilities along the scored
+window, and the window or prompt (``group``) of each position (for plots, paired differences and
+intervals). A summary gathers every row under a folder into one table, printed and saved as Parquet
+and Markdown.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import platform
 import subprocess
@@ -18,6 +21,7 @@ from pathlib import Path
 import polars as pl
 import torch
 
+from evals.intervals import row_intervals
 from evals.metrics import DEGENERATE_REPEAT, repeated_ngram_fraction, summarize
 from tileinfer.core import files
 from tileinfer.jobs.identity import ADDED, IDENTITY, RENAMED
@@ -47,6 +51,8 @@ SHOWN = [
     "spec_speedup",
     "spec_exact",
 ]
+# Per-position values saved beside a row (write_row), with each position's window or prompt (``group``).
+POSITION_COLUMNS = ("kl", "top1_agree", "dp", "logp_base", "logp_cand")
 REPO = Path(__file__).resolve().parents[2]  # the checkout (site-packages when installed: commit unknown)
 
 
@@ -82,6 +88,7 @@ def make_row(
     fallbacks: list[str],
     replies: list[list[int]],
     extra: dict | None = None,
+    unit: str = "prompt",
 ) -> dict:
     """One table row from the :func:`tileinfer.jobs.drift.score` results of a prompt set's prompts.
 
@@ -99,8 +106,10 @@ def make_row(
             :data:`evals.metrics.DEGENERATE_REPEAT` (a reply stuck in a loop is trivially
             predictable, so its KL understates the drift on real text).
         extra: more columns, placed after the speeds (the speculative decoding columns).
+        unit: what one result is, ``prompt`` or (a corpus) ``window``: the unit the intervals resample.
 
-    Statistics are taken over the positions of all prompts together; speeds are means over prompts.
+    Statistics are taken over the positions of all prompts together, with their 95% intervals
+    (:func:`evals.intervals.row_intervals`); speeds are means over the prompts that timed them.
     """
     per_pos = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}
     stats = summarize(per_pos) if len(results) > 1 else dict(results[0][0])
@@ -108,7 +117,9 @@ def make_row(
         stats["greedy_agree_len"] = sum(r[0]["greedy_agree_len"] for r in results) / len(results)
         stats["n_scored"] = sum(r[0]["n_scored"] for r in results)
         for k in ("prefill_ms", "prefill_tok_s", "decode_tok_s", "decode_ms_per_tok"):
-            stats[k] = sum(r[0][k] for r in results) / len(results)
+            timed = [r[0][k] for r in results if math.isfinite(r[0][k])]  # a corpus decodes after one window
+            stats[k] = sum(timed) / len(timed) if timed else float("nan")
+    stats |= row_intervals(per_pos, position_groups(results), unit)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     repeat = sum(repeated_ngram_fraction(r) * len(r) for r in replies) / max(1, sum(map(len, replies)))
     return {
@@ -128,6 +139,11 @@ def make_row(
         "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "wall_s": wall_s,
     }
+
+
+def position_groups(results: list[tuple[dict, dict]]) -> torch.Tensor:
+    """int64 [positions]: the index of the prompt or window (the result) each scored position belongs to."""
+    return torch.cat([torch.full((len(r[1]["kl"]),), i) for i, r in enumerate(results)])
 
 
 def upgrade(df: pl.DataFrame) -> pl.DataFrame:
