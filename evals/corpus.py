@@ -8,8 +8,8 @@ replaces is not scored anyway). Only the second half of a window is scored: the 
 so each prediction sees at least ``ctx / 2`` tokens of context. This is ``perplexity()`` and
 ``kl_divergence()`` of llama.cpp's ``tools/perplexity/perplexity.cpp`` (``first = n_ctx/2``,
 ``tokens[batch_start] = bos`` for the first batch of a chunk, ``n_chunk = tokens.size() / n_ctx``),
-and what lm-eval and llm-compressor report on wikitext-2, so a row's PPL(base) can be checked
-against ``llama-perplexity -f FILE -c CTX`` on the same text.
+so a row's PPL(base) can be checked against ``llama-perplexity -f FILE -c CTX`` on the same text
+(lm-eval's wikitext task windows the text otherwise and reports word perplexity).
 
 Corpora (``eval.corpora``):
 

@@ -334,6 +334,8 @@ def load_dataset_prompts(
             cache_dir=None if cache_dir is None else os.fspath(cache_dir),
             **kwargs,
         )
+    except StopIteration:  # datasets' JSON reader on an empty file
+        raise UserError(f"dataset {files[0]!r} contains no text") from None
     except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as e:
         # datasets wraps the informative error (bad JSON, schemas that differ between files).
         while e.__cause__ is not None:

@@ -75,6 +75,51 @@ def filtered(logits: torch.Tensor, temperature: float, top_k: int, top_p: float)
     return x > float("-inf"), x.softmax(-1)
 
 
+def chi2_bins(probs: torch.Tensor, min_expected: float, n: int) -> list[torch.Tensor]:
+    """Token bins for a chi-square test of ``n`` draws from ``probs`` [vocab]: each token with an
+    expected count >= ``min_expected`` alone, the others pooled from the least likely up until a bin
+    reaches it (a last short bin joins the one before)."""
+    order = probs.double().argsort(descending=True)
+    bins, cur, mass = [], [], 0.0
+    for t in order[probs[order] > 0].tolist():
+        cur.append(t)
+        mass += float(probs[t])
+        if mass * n >= min_expected:
+            bins.append(torch.tensor(cur)), cur.clear()
+            mass = 0.0
+    if cur:
+        if bins:
+            bins[-1] = torch.cat([bins[-1], torch.tensor(cur)])
+        else:
+            bins.append(torch.tensor(cur))
+    return bins
+
+
+def chi2_test(tokens: torch.Tensor, probs: torch.Tensor, alpha: float = 1e-4, alternatives=()) -> float:
+    """Pearson's chi-square goodness of fit of draws ``tokens`` [n] to ``probs`` [vocab] (every
+    expected count >= 5); fails when its p-value < ``alpha``. ``alternatives`` (distributions a buggy
+    sampler would draw from) must each be rejected with probability >= 0.999 at this n (the test's
+    power, from the noncentral chi-square), so a pass means something. Returns the p-value."""
+    from scipy import stats
+
+    n = tokens.numel()
+    bins = chi2_bins(probs, 5.0, n)
+    counts = torch.bincount(tokens.cpu(), minlength=probs.numel()).double()
+    p64 = probs.double().cpu()
+    obs = torch.stack([counts[b].sum() for b in bins]).numpy()
+    exp = torch.stack([p64[b].sum() for b in bins]).numpy() * n
+    df = len(bins) - 1
+    crit = stats.chi2.isf(alpha, df) if df else 0.0
+    for alt in alternatives:
+        a = alt.double().cpu()
+        lam = n * sum(float((a[b].sum() - p64[b].sum()) ** 2 / p64[b].sum()) for b in bins)
+        power = stats.ncx2.sf(crit, df, lam) if df else 1.0
+        assert power >= 0.999, f"the test cannot tell this alternative apart (power {power:.3f})"
+    p = float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue) if df else 1.0
+    assert p >= alpha, f"draws do not follow the distribution: chi-square p = {p:.2g} over {df + 1} bins"
+    return p
+
+
 # ---------------------------------------------------------------------------- inputs
 
 

@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
 
+from tests.test_model_vs_transformers import LOGITS_TOL
 from tests.tiny_models import make_tiny, write_gguf
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.checkpoint.gguf_file import load_gguf
@@ -30,7 +31,8 @@ def assert_logits_match(hf, path, n=120):
     model = Transformer.from_state_dict(ck.config, ck.state_dict, dtype=torch.float32)
     runner = ModelRunner(model, page_size=16, prefill_chunk=37, max_seq_len=256)
     got = torch.cat([lg for _, lg in runner.chunks(runner.new_sequence(), ids, logits_from=0)])
-    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    # float32 on both sides: measured <= 1.2e-6 (tests/test_model_vs_transformers.py's LOGITS_TOL and its measurements)
+    assert ((got - want).abs().max() / want.abs().max()).item() < LOGITS_TOL
 
 
 def one_line_naming(e, *parts):

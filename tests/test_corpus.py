@@ -66,12 +66,14 @@ def test_bad_corpora_are_one_line_user_errors(tmp_path, monkeypatch):
     empty.write_text("  \n")
     short = tmp_path / "short.txt"
     short.write_text("too short")
+    (tmp_path / "empty.jsonl").write_text("")  # datasets' JSON reader raised StopIteration
     pq = tmp_path / "notext.parquet"
     pl.DataFrame({"body": ["a b c"]}).write_parquet(pq)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     cases = [
         (lambda: corpus.load_text(str(empty)), "no text"),
+        (lambda: corpus.load_text(str(tmp_path / "empty.jsonl")), "no text"),
         (lambda: corpus.corpus_windows(CharTokenizer(), str(short), 64, None, 4), "shorter than one window"),
         (lambda: corpus.load_text(str(tmp_path / "missing.txt")), "matches no local file"),
         (lambda: corpus.load_text("no_such_corpus"), "unknown corpus"),

@@ -23,5 +23,6 @@ def test_smollm2_gguf_logits_match_transformers(smollm2_gguf):
     runner = ModelRunner(model, page_size=16, prefill_chunk=24, max_seq_len=256)
     seq = runner.new_sequence()
     got = torch.cat([lg for _, lg in runner.chunks(seq, ids, logits_from=0)])
-    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    # float32 both sides, 30 layers: measured 1.9e-6 (2026-12-01); a misplaced RMSNorm eps gives ~1e-4
+    assert ((got - want).abs().max() / want.abs().max()).item() < 2e-5
     assert torch.equal(got.argmax(-1), want.argmax(-1))

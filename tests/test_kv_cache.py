@@ -53,3 +53,25 @@ def test_sequence_reserves_pages_as_it_grows():
         seq.reserve(100)
     seq.release()
     assert bm.num_free == 10 and seq.length == 0
+
+
+def test_int8_write_stores_hand_computed_codes_in_the_right_slot():
+    """reference.write_kv into an INT8 pool, against codes and scales worked out by hand (not with
+    ``quantize_int8``): position 5 of a sequence on pages [2, 0] with pages of 4 lands on page 0,
+    slot 1; k = (254, -127, 1, 3) has scale 2 and codes (127, -64, 0, 2) (63.5 and 1.5 round to
+    even), v = (0.5, -1, 0, 0.25) scale 1/127 and codes (64, -127, 0, 32). Catches a value scale
+    taken from the key, a wrong page or slot, round half away from zero."""
+    from tileinfer.ops import reference as R
+
+    kv = PagedKVCache(1, 3, 4, 1, 4, torch.bfloat16, int8=True)
+    layer = kv.layers[0]
+    layer.k.zero_(), layer.v.zero_(), layer.k_scale.fill_(-1.0), layer.v_scale.fill_(-1.0)
+    k = torch.tensor([[[254.0, -127.0, 1.0, 3.0]]])
+    v = torch.tensor([[[0.5, -1.0, 0.0, 0.25]]])
+    R.write_kv(layer, k, v, torch.tensor([2, 0], dtype=torch.int32), torch.tensor([5]))
+    assert layer.k[0, 0, 1].tolist() == [127, -64, 0, 2] and layer.k_scale[0, 0, 1].item() == 2.0
+    assert layer.v[0, 0, 1].tolist() == [64, -127, 0, 32]
+    assert layer.v_scale[0, 0, 1].item() == torch.tensor(1 / 127, dtype=torch.float32).item()
+    written = torch.zeros(3, 4, dtype=torch.bool)
+    written[0, 1] = True
+    assert (layer.k_scale[:, 0][~written] == -1).all() and (layer.v[:, 0][~written] == 0).all()

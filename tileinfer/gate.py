@@ -396,7 +396,11 @@ def run_gate(cfg: Config) -> int:
     if skipped:
         print(
             f"kl_p999 not checked ({skipped}x): fewer than gate.p999_min_positions={cfg.gate.p999_min_positions} "
-            "scored positions (add positions: eval=corpus, or eval.n_score)"
+            + (
+                "scored positions (add positions: eval.n_windows or a longer ctx)"
+                if cfg.eval.corpora
+                else "scored positions (add positions: eval=corpus, or eval.n_score)"
+            )
         )
     if failed.is_empty():
         extra = ", ".join(t for t in (noise and f"{noise} within noise", skipped and f"{skipped} skipped") if t)

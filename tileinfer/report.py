@@ -125,7 +125,7 @@ def load_rows(runs_dir: Path) -> tuple[pl.DataFrame, Path, int]:
     if df.is_empty() or not {*needed, *CONFIG} <= set(df.columns):
         raise UserError(f"no result rows under {rows_dir} (run python -m tileinfer.sweep first)")
     # rows written before these columns existed (before speculative decoding: spec=none)
-    df = df.with_columns([pl.lit(None, pl.String).alias(c) for c in SETUP if c not in df.columns])
+    df = df.with_columns([pl.lit(None, pl.String).alias(c) for c in (*SETUP, "corpus") if c not in df.columns])
     df = df.with_columns(pl.col(c).cast(t) if c in df.columns else pl.lit(None, t).alias(c) for c, t in SPEC.items())
     df = df.with_columns(pl.col("spec").fill_null("none"))
     return df, rows_dir, duplicates
@@ -135,7 +135,7 @@ def latest_rows(df: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     """The newest row of each (group, config, speculation, prompt set), sorted for display (plain
     before speculative rows) and labelled in a column ``config`` (:func:`config_label`), and how many
     older rows of the same key were dropped (e.g. an earlier run with another n_score)."""
-    key = [*GROUP, *SETUP, *CONFIG, *SPEC, "prompt_set"]
+    key = [*GROUP, *SETUP, *CONFIG, *SPEC, "prompt_set", "corpus"]  # two corpus files may share a name
     df = df.with_columns(pl.col("smooth_keys").fill_null(False))
     if "finished_at" in df.columns:
         df = df.sort("finished_at", nulls_last=False)
@@ -167,7 +167,7 @@ def plain_rows(rows: pl.DataFrame) -> pl.DataFrame:
     """One row per (group, config, prompt set) of :func:`latest_rows`, for the drift tables and plots:
     the plain one (``spec=none``), or the first speculative one where there is no plain row (drift is
     scored alike: the proposer only runs after the scored window)."""
-    return rows.unique(subset=[*GROUP, *SETUP, *CONFIG, "prompt_set"], keep="first", maintain_order=True)
+    return rows.unique(subset=[*GROUP, *SETUP, *CONFIG, "prompt_set", "corpus"], keep="first", maintain_order=True)
 
 
 def config_label(quant: str, smooth_keys: bool, alpha, show_alpha: bool = False) -> str:
@@ -752,11 +752,12 @@ def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
             f"tokens), backend `{backend}`, device {_values(group, 'device')}.",
         ]
         colors = _colors(group)
-        for (prompt_set,), rs in group.group_by("prompt_set", maintain_order=True):
+        for (prompt_set, corpus), rs in group.group_by("prompt_set", "corpus", maintain_order=True):
             table, notes = markdown_table(rs)
             n = rs["n_scored"].max()
+            source = f"`{corpus}`, " if corpus and corpus != prompt_set else ""
             kind = (
-                f"Corpus `{prompt_set}` ({rs['n_windows'].max()} window(s)"
+                f"Corpus `{prompt_set}` ({source}{rs['n_windows'].max()} window(s)"
                 if _is_corpus(rs)
                 else (f"Prompt set `{prompt_set}` ({rs['n_prompts'].max()} prompt(s)")
             )

@@ -16,13 +16,15 @@ when every suite passes with it; a new one joins by being added to :data:`TARGET
 :func:`target`.
 
 Every test here starts with ``torch.empty`` poisoned (an output element no kernel wrote fails the
-comparison), with inputs from a seed of its own, and fails if an op fell back to the reference
-(:func:`tileinfer.ops.fallback`) unless it requests ``fallback_expected`` and checks them itself.
+comparison), with inputs from a seed of its own (:func:`seed_of`, fixed per test), and fails if an
+op fell back to the reference (:func:`tileinfer.ops.fallback`) unless it requests
+``fallback_expected`` and checks them itself.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -136,11 +138,22 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", _poisoned_empty)
 
 
+def seed_of(name: str) -> int:
+    """The seed of the test named ``name``: the CRC-32 of the name and ``TILEINFER_TEST_SEED`` (default 0),
+    the same on every run and machine (``hash()`` changes with each run's hash randomisation, so a
+    failure could not be replayed); set ``TILEINFER_TEST_SEED`` to draw other inputs."""
+    return zlib.crc32(f"{os.environ.get('TILEINFER_TEST_SEED', '0')}:{name}".encode()) % 2**31
+
+
 @pytest.fixture(autouse=True)
 def fresh_seed(request):
-    """Seed torch from the test's name (differs from run to run with Python's hash randomisation, so
-    inputs are fresh every run, yet all tensors of one test come from one stream)."""
-    torch.manual_seed(abs(hash(request.node.name)) % 2**31)
+    """Seed torch with :func:`seed_of` of the test's name: one stream per test, its own inputs for
+    every test, replayable; a failing test's report names the seed (section "seed")."""
+    seed = seed_of(request.node.name)
+    request.node.add_report_section(
+        "call", "seed", f"torch.manual_seed({seed}); TILEINFER_TEST_SEED={os.environ.get('TILEINFER_TEST_SEED', '0')}"
+    )
+    torch.manual_seed(seed)
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ Caches come from tests/numerics.py: positions 0..L-1 written, the last page part
 scattered through a pool whose other slots are NaN (or NaN-scaled) poison, the block table one
 page longer than the context. Small (interpreter): float32 and bf16 queries over BF16 and INT8
 caches, GQA ratios 1 to 8, head_dim 16 to 64, pages of 8 to 32, decode (1 row), verify (5, 16) and
-prefill chunks (33 to 70 rows), within ``TOL``. Model (GPU): bf16 at every registered model's heads
+prefill chunks (33 to 70 rows), within ``TOL``; and Qwen3-8B's heads at 1200 and 2500 positions
+(pages of 64, 19 and 40 decode splits). Model (GPU): bf16 at every registered model's heads
 and the synthetic GQA shapes, pages of 64, contexts 1 to 32k (prefill chunks up to 8192 rows),
 within 1e-2.
 """
@@ -57,9 +58,15 @@ MODEL = [
 ]
 
 
+# Qwen3-8B's attention (32 heads, 8 KV heads, head_dim 128, pages of 64) in the interpreter: a decode
+# step at 2500 positions runs the shipped split-KV tiles with 40 splits (the small cases reach 3),
+# ~5 s each (2026-12-01, 2 shared cores); the INT8 one at 1200 positions (19 splits)
+REAL = [("bf16", "bf16cache", 1, 2499, 8, 4, 128, 64), ("bf16", "int8cache", 1, 1199, 8, 4, 128, 64)]
+
+
 @pytest.mark.cases(
     "dt,cache,T,start,kvh,group,d,page",
-    small=[(dt, cache, *c) for dt in DTYPES for cache in CACHES for c in SMALL],
+    small=[(dt, cache, *c) for dt in DTYPES for cache in CACHES for c in SMALL] + REAL,
     model=MODEL,
 )
 def test_attention(target, dt, cache, T, start, kvh, group, d, page):
@@ -90,6 +97,48 @@ def test_attention_rows_at_unequal_positions(target, dt, L, heads, kvh, d, page,
         pos = torch.tensor(positions, dtype=torch.int32, device=dev)
     q = torch.randn(pos.shape[0], heads, d, device=dev).to(dt)
     close(target.ops.attention(q, layer, bt, pos, scale), R.attention(q, layer, bt, pos, scale), TOL[dt])
+
+
+@pytest.mark.cases(
+    "cache,L,T,page",
+    small=[("bf16cache", 300, 1, 16), ("int8cache", 300, 5, 16)],
+    model=[(cache, L, T, 64) for cache in CACHES for L in (1000, 8192, 32768) for T in (1, 5)],
+)
+def test_attention_reads_every_position(target, cache, L, T, page):
+    """One loud value (|v| ~ 4 sqrt(L) times the others) at the newest position, the oldest, and the
+    first slot of a page in the middle, one at a time: a kernel that drops or misreads it is off by
+    O(1), where the bound is ``TOL`` (bf16 1e-2). Without the loud value, dropping the newest of
+    1000+ positions changes the output by ~1/sqrt(L), under the GPU bound at long context."""
+    dt, dev = torch.bfloat16, target.device
+    kvh, group, d = 2, 4, 64
+    for loud in (L - 1, 0, (L // page // 2) * page):
+        kv, layer, bt = filled_cache(L, page, kvh, d, dt, cache == "int8cache", dev, written=0)
+        k = torch.randn(L, kvh, d, device=dev).to(dt)
+        v = torch.randn(L, kvh, d, device=dev)
+        v[loud] *= 4 * L**0.5
+        R.write_kv(layer, k, v.to(dt), bt, torch.arange(L, device=dev))
+        q = torch.randn(T, kvh * group, d, device=dev).to(dt)
+        pos = torch.arange(L - T, L, dtype=torch.int32, device=dev)
+        want = R.attention(q, layer, bt, pos, d**-0.5)
+        close(target.ops.attention(q, layer, bt, pos, d**-0.5), want, TOL[dt], f"loud value at {loud}")
+
+
+@pytest.mark.cases(
+    "cache,L,programs", small=[("bf16cache", 700, 6), ("int8cache", 1000, 10)], targets=("triton-interpret",)
+)
+def test_decode_splits_of_unequal_length(target, monkeypatch, cache, L, programs):
+    """Triton's split-KV decode with fewer splits than key blocks (as past ~4k positions with the
+    shipped program count): 11 or 16 blocks of 64 keys over 3 or 5 splits, so splits hold several
+    blocks and the last one fewer. Catches a per-split block count rounded down (the last blocks
+    dropped) or a combine that merges only some splits; the small cases have one block per split."""
+    from tileinfer.ops.triton import paged_attention
+
+    monkeypatch.setitem(paged_attention._OVERRIDE, "programs", programs)
+    dt, dev = torch.bfloat16, target.device
+    _, layer, bt = filled_cache(L, 16, 2, 64, dt, cache == "int8cache", dev)
+    q = torch.randn(3, 8, 64, device=dev).to(dt)
+    pos = torch.arange(L - 3, L, dtype=torch.int32, device=dev)
+    close(target.ops.attention(q, layer, bt, pos, 0.125), R.attention(q, layer, bt, pos, 0.125), TOL[dt])
 
 
 # ---------------------------------------------------------------------------- the reference itself
@@ -136,3 +185,7 @@ def test_reference_prefill_chunks_and_decode_agree_with_one_shot():
     whole = R.attention(q, layer, bt, torch.arange(L), 0.25)
     parts = [R.attention(q[s:e], layer, bt, torch.arange(s, e), 0.25) for s, e in ((0, 20), (20, 49), (49, 50))]
     assert torch.allclose(torch.cat(parts), whole, atol=1e-6)
+    # and both against plain SDPA (float64): an expectation that is not the reference itself; float32
+    # against float64, measured ~3e-7
+    want = dense_causal(q * 0.25 * 16**0.5, k, v, torch.arange(L))  # SDPA scales by d**-0.5
+    assert (whole.double() - want).abs().max() < 1e-5

@@ -52,3 +52,16 @@ def test_rms_norm_per_head_weight(target, dt, T, heads, d):
     x = torch.randn(T, heads, d, device=target.device).to(dt)
     w = torch.randn(heads, d, device=target.device).to(dt)
     close(target.ops.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6), TOL[dt])
+
+
+@pytest.mark.cases("dt,rows,n", small=[("f32", 3, 256), ("bf16", 2, 1000)], model=[("bf16", 5, 4096)])
+def test_rms_norm_where_eps_matters(target, dt, rows, n):
+    """Rows of magnitude ~1e-3, whose mean square is eps itself: an eps added after the square root,
+    dropped, or scaled changes the result by tens of percent (at magnitude 1 by ~1e-7, inside any
+    float32 bound)."""
+    dt = DTYPES[dt]
+    x = (torch.randn(rows, n, device=target.device) * 1e-3).to(dt)
+    w = torch.randn(n, device=target.device).to(dt)
+    close(target.ops.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6), TOL[dt])
+    y, _ = target.ops.add_rms_norm(x, x, w, 1e-6)
+    close(y, R.add_rms_norm(x, x, w, 1e-6)[0], TOL[dt], "add_rms_norm")
