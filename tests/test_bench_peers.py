@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from quantize import QuantScheme, apply
+from tests.tiny_models import COMMON
 from tileinfer.bench.peers import gptfast, hf
 from tileinfer.bench.peers.bench import add_ratios, main
 from tileinfer.core.checkpoint.random_init import random_state_dict
@@ -15,17 +16,7 @@ from tileinfer.engine.runner import ModelRunner
 from tileinfer.models import Transformer
 from tileinfer.ops.reference import quantize_int8
 
-SHRINK = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    eos_token_id=1,
-)
+SHRINK = COMMON | dict(head_dim=16, eos_token_id=1)  # tie_word_embeddings: set per case below
 PROMPT, DECODE = 40, 6
 
 

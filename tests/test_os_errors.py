@@ -264,14 +264,11 @@ def test_report_plots_and_markdown(tmp_path, monkeypatch, match):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tests.test_quantize import write_tiny_tokenizer
-    from tests.tiny_models import make_tiny
+    from tests.tiny_models import make_tiny_with_tokenizer
     from tileinfer.core.checkpoint import load_checkpoint
     from tileinfer.core.tokenizer import Tokenizer
 
-    folder = tmp_path_factory.mktemp("tiny")
-    make_tiny("llama", folder)
-    write_tiny_tokenizer(folder)
+    folder = make_tiny_with_tokenizer("llama", tmp_path_factory.mktemp("tiny"))
     return load_checkpoint(folder), Tokenizer.load(folder)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from quantize import QuantScheme, apply, kv_int8_of, quantization_config, write_checkpoint
 from quantize.weights import BLOCK_LINEARS, quantize_weights
-from tests.tiny_models import make_tiny, write_tiny_tokenizer
+from tests.tiny_models import make_tiny, make_tiny_with_tokenizer
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
 from tileinfer.core.kv_cache import PagedKVCache
@@ -127,10 +127,7 @@ def test_weight_quantization_covers_linears_and_lm_head(kind, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_with_tokenizer(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3")
-    make_tiny("qwen3", folder)
-    write_tiny_tokenizer(folder)
-    return folder
+    return make_tiny_with_tokenizer("qwen3", tmp_path_factory.mktemp("qwen3"))
 
 
 def cli(*args):

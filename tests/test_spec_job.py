@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from tests.tiny_models import make_tiny, write_tiny_tokenizer
+from tests.tiny_models import make_tiny_with_tokenizer
 from tileinfer import gate
 from tileinfer.core.errors import UserError
 from tileinfer.engine.proposers import check_same_vocab
@@ -232,10 +232,7 @@ def sweep(*args):
 @pytest.fixture(scope="module")
 def other_tokenizer_draft(tmp_path_factory):
     """A tiny draft checkpoint whose 96-character tokenizer is not smollm2's."""
-    folder = tmp_path_factory.mktemp("draft")
-    make_tiny("llama", folder)
-    write_tiny_tokenizer(folder)
-    return folder
+    return make_tiny_with_tokenizer("llama", tmp_path_factory.mktemp("draft"))
 
 
 @pytest.mark.parametrize(

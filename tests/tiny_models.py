@@ -183,3 +183,10 @@ def write_tiny_tokenizer(folder: Path):
     vocab = {ch: i for i, ch in enumerate(chars)} | {"<unk>": 95}
     Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")).save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>"}))
+
+
+def make_tiny_with_tokenizer(kind: str, folder: Path) -> Path:
+    """:func:`make_tiny` plus :func:`write_tiny_tokenizer`: a checkpoint folder the engine loads whole."""
+    make_tiny(kind, folder)
+    write_tiny_tokenizer(folder)
+    return folder
