@@ -19,8 +19,12 @@ NOT_COMPARED = {
     "prefill_ms",
     "prefill_tok_s",
     "decode_tok_s",
+    "decode_tok_s_min",
+    "decode_tok_s_max",
     "decode_ms_per_tok",
     "wall_s",
+    # the allocator's peak counts the models a worker keeps from its earlier jobs (tileinfer.jobs.job)
+    "peak_mem_bytes",
     "finished_at",
     "git_commit",
     "row_file",

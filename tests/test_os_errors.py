@@ -500,7 +500,7 @@ def test_multirun_summary_on_a_full_disk(tmp_path, monkeypatch, capsys):
     tables.write_row(row, *row_and_positions())
     out = tmp_path / "multirun"
     (out / "0").mkdir(parents=True)
-    (out / "0" / "rows.json").write_text(json.dumps([str(row)]))
+    (out / "0" / "rows.json").write_text(json.dumps({"overrides": [], "wall_s": 1.0, "rows": [str(row)]}))
     break_disk(monkeypatch, out, match="summary")
     with pytest.raises(SystemExit) as e:
         PrintSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(out)}}}))

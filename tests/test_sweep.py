@@ -60,6 +60,24 @@ def test_bf16_against_itself_is_exactly_zero_and_int8_is_finite_positive(runs):
     assert (q["decode_tok_s"] > 0).all() and (q["prefill_tok_s"] > 0).all()
 
 
+def test_decode_speed_is_the_median_of_the_timed_repetitions_with_their_spread(runs):
+    df = tables.collect(runs / "rows")
+    assert (df["decode_repeats"] == 5).all() and (df["decode_reps"] == 5 * df["n_prompts"]).all()
+    assert (df["decode_tok_s_min"] <= df["decode_tok_s"]).all() and (df["decode_tok_s"] <= df["decode_tok_s_max"]).all()
+    assert ((df["decode_ms_per_tok"] * df["decode_tok_s"] - 1e3).abs() < 1e-6).all()
+
+
+def test_speed_columns_take_the_median_of_every_repetition():
+    # an odd and an even count, and one slow outlier that a mean would follow
+    assert tables.speed_columns([10.0, 30.0, 20.0]) == dict(
+        decode_tok_s=20.0, decode_ms_per_tok=50.0, decode_tok_s_min=10.0, decode_tok_s_max=30.0, decode_reps=3
+    )
+    assert tables.speed_columns([100.0, 100.0, 2.0, 100.0])["decode_tok_s"] == 100.0
+    assert tables.speed_columns([1.0, 2.0, 4.0, 8.0])["decode_tok_s"] == 3.0
+    none = tables.speed_columns([])
+    assert none["decode_reps"] == 0 and all(v != v for k, v in none.items() if k != "decode_reps")
+
+
 def test_rerun_skips_finished_rows(runs):
     before = {p: p.stat().st_mtime_ns for p in (runs / "rows").rglob("*.parquet")}
     out = sweep(runs, "quant=int8_both")

@@ -2,7 +2,7 @@
 
 A job's work per prompt (tileinfer.jobs.drift) is: the base prefill of ``ctx`` tokens, its greedy
 reply (``n_score`` decode steps), the reply run teacher-forced, then the same prefill and
-teacher-forced pass on the candidate, and ``decode_tokens`` timed decode steps. This times one
+teacher-forced pass on the candidate, and ``decode_tokens`` decode steps timed ``speed.repeats`` times. This times one
 prefill chunk and one decode step of each configuration at a few positions of each ctx, on a
 random-weight model of a registered model's shapes (the time does not depend on the values; the
 KV cache is filled with zeros), and adds them up over the positions a job visits (a chunk's cost
@@ -65,8 +65,11 @@ def pass_seconds(runner: ModelRunner, start: int, n_tokens: int, chunk: int, pro
     return float(np.interp(starts, at, cost).sum())
 
 
-def job_seconds(base: ModelRunner, cand: ModelRunner, ctx: int, n_score: int, decode_tokens: int) -> dict:
-    """Seconds of each stage of one prompt of a job (see the module docstring)."""
+def job_seconds(
+    base: ModelRunner, cand: ModelRunner, ctx: int, n_score: int, decode_tokens: int, repeats: int = 5
+) -> dict:
+    """Seconds of each stage of one prompt of a job (see the module docstring); the decode steps are
+    timed ``repeats`` times (``speed.repeats``)."""
     chunk = base.prefill_chunk
     return {
         "base_prefill_s": pass_seconds(base, 0, ctx, chunk),
@@ -74,7 +77,7 @@ def job_seconds(base: ModelRunner, cand: ModelRunner, ctx: int, n_score: int, de
         "base_score_s": pass_seconds(base, ctx, n_score - 1, chunk),
         "cand_prefill_s": pass_seconds(cand, 0, ctx, chunk),
         "cand_score_s": pass_seconds(cand, ctx, n_score - 1, chunk),
-        "cand_decode_s": pass_seconds(cand, ctx, decode_tokens, 1),
+        "cand_decode_s": repeats * pass_seconds(cand, ctx, decode_tokens, 1),
     }
 
 
@@ -85,6 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--quant", default="int8_both", help="candidate: bf16, int8_weights, int8_kv or int8_both")
     p.add_argument("--n-score", type=int, default=1024)
     p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--decode-repeats", type=int, default=5, help="speed.repeats")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--prompt-sets", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results", help="folder for the table")
@@ -109,7 +113,7 @@ def main(argv=None) -> int:
     cand = ModelRunner(cand_model, "reference", kv_int8=kv == "int8", **kw)
     rows = []
     for ctx in ctxs:
-        stages = job_seconds(base, cand, ctx, args.n_score, args.decode_tokens)
+        stages = job_seconds(base, cand, ctx, args.n_score, args.decode_tokens, args.decode_repeats)
         total = args.prompt_sets * sum(stages.values())
         kv_bytes = (base.kv.bytes_per_position() + cand.kv.bytes_per_position()) * (ctx + args.n_score)
         rows.append(

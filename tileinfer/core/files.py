@@ -5,6 +5,9 @@ beside the target, which is renamed over it (``os.replace``, atomic on POSIX) on
 any failure the temporary file is removed, and an operating-system failure (no space left, a
 read-only file system, permission denied) becomes a :class:`~tileinfer.core.errors.UserError`
 naming the path, so commands print one line instead of a traceback.
+
+A file that several jobs of a sweep may need at once (a base reply, a dequantized checkpoint, a
+download) is made under :func:`locked`: the first job makes it, the others wait, then read it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from filelock import FileLock
 
 from tileinfer.core.errors import UserError
 
@@ -138,6 +143,34 @@ def _replace_folder(tmp: Path, path: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)  # empty again
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def locked(path: Path | str) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` for the block, so that of several processes about to make
+    the same shared file one makes it and the others, waiting here, then find it made: check for the
+    file again inside the block. The lock is the file ``PATH.lock`` beside it (on the same file
+    system, so that jobs on several hosts of a shared one see it), taken with ``flock`` through the
+    ``filelock`` package: the operating system frees it when its holder exits, even when killed. The
+    holder deletes the lock file when the block ends, leaving no trace; a process that arrives just
+    then may take a new lock file and recompute, which costs time but never a wrong copy (results are
+    written atomically).
+
+    Raises:
+        UserError: the lock file cannot be created (one line naming ``path``).
+    """
+    lock_file = Path(f"{path}.lock")
+    make_dir(lock_file.parent)
+    lock = FileLock(lock_file)
+    try:
+        lock.acquire()
+    except OSError as e:
+        raise UserError(os_error_line(path, e) or f"cannot lock {path}: {e}") from None
+    try:
+        yield
+    finally:
+        lock_file.unlink(missing_ok=True)
+        lock.release()
 
 
 def _umask() -> int:

@@ -11,6 +11,7 @@ and decode steps are timed after them.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,23 +75,29 @@ def check_finite(logits: torch.Tensor) -> torch.Tensor:
 @dataclass
 class PassResult:
     """Timings of one teacher-forced pass (seconds, from a synchronized host clock); ``prefill_s`` is
-    None when the prefill was resumed from a snapshot (not timed in one piece). ``decoded`` holds the
-    timed plain decode steps' greedy tokens and ``margins`` their top-1 minus top-2 logit (measured,
+    None when the prefill was resumed from a snapshot (not timed in one piece). ``decode_rep_s`` holds
+    the seconds of each timed repetition of the ``decode_steps`` plain decode steps, ``decoded`` their
+    greedy tokens (the first repetition's) and ``margins`` their top-1 minus top-2 logit (measured,
     untimed, only for greedy speculation; else empty); ``spec`` the speculative run over the same
     steps (None without a proposer)."""
 
     prefill_s: float | None
-    decode_s: float
+    decode_rep_s: list[float]
     decode_steps: int
     decoded: list[int]
     margins: list[float]
     spec: SpecResult | None = None
 
+    @property
+    def decode_s(self) -> float:
+        """Median seconds of one repetition of the timed decode steps."""
+        return statistics.median(self.decode_rep_s)
+
 
 @dataclass
 class SpecResult:
     """A timed speculative run after the prompt: its reply (the same steps as the plain decode) and
-    wall time in seconds (synchronized host clock)."""
+    wall time in seconds (synchronized host clock; the median of the repetitions when repeated)."""
 
     reply: SpecReply
     seconds: float
@@ -217,6 +224,7 @@ def teacher_forced(
     timings: list | None = None,
     snaps: Snapshots | None = None,
     spec: Speculation | None = None,
+    repeats: int = 1,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Run ``stream`` through ``runner``; yield ``(i, logits)`` chunks of the scored positions.
 
@@ -226,8 +234,9 @@ def teacher_forced(
     Row ``j`` of a chunk starting at ``i`` holds float32 logits [vocab] predicting reply token
     ``i + j``. The prompt prefill is timed (resumed from ``snaps`` where a snapshot exists, and then
     not timed); after the last chunk the sequence is cut back to the prompt and ``decode_steps``
-    greedy decode steps are timed. With ``spec``, the sequence is cut back to the prompt once more
-    and the same steps are decoded speculatively, timed. The :class:`PassResult` is appended to
+    greedy decode steps are timed, ``repeats`` times (cut back in between: one slow repetition, from a
+    clock ramp or a first-use compile, moves the median no more than a fast one). With ``spec``, the
+    same steps are decoded speculatively after the prompt, timed as often. The :class:`PassResult` is appended to
     ``timings`` when the generator finishes. Ctrl-C while scoring leaves a snapshot of the prefilled
     prompt.
     """
@@ -250,22 +259,27 @@ def teacher_forced(
             if not resumed:
                 snaps.save(runner, seq, prompt, state.first, state.first)
             raise
-        seq.truncate(stream.prompt_len)
-        token, decoded = reply[0], []
-        runner.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(decode_steps):  # as greedy generation runs: the argmax inside the decode graph
-            token = runner.decode_greedy(seq, token)
-            decoded.append(token)
-        runner.synchronize()
-        decode_s = time.perf_counter() - t0
-        result = PassResult(prefill_s, decode_s, decode_steps, decoded, [])
+        rep_s, decoded = [], []
+        for _ in range(repeats if decode_steps else 0):
+            seq.truncate(stream.prompt_len)
+            token, decoded = reply[0], []
+            runner.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(decode_steps):  # as greedy generation runs: the argmax inside the decode graph
+                token = runner.decode_greedy(seq, token)
+                decoded.append(token)
+            runner.synchronize()
+            rep_s.append(time.perf_counter() - t0)
+        result = PassResult(prefill_s, rep_s or [0.0], decode_steps, decoded, [])
         if spec is not None:
             if spec.sampling.temperature == 0:  # margins where a speculative reply may part: untimed, same steps
                 seq.truncate(stream.prompt_len)
                 result.margins = top2_margins(runner, seq, [reply[0], *decoded[:-1]])
-            seq.truncate(stream.prompt_len)
-            result.spec = spec.run(runner, seq, prompt + reply[:1], decode_steps)
+            runs = []
+            for _ in range(repeats):
+                seq.truncate(stream.prompt_len)
+                runs.append(spec.run(runner, seq, prompt + reply[:1], decode_steps))
+            result.spec = SpecResult(runs[0].reply, statistics.median(r.seconds for r in runs))
         if timings is not None:
             timings.append(result)
     finally:
@@ -316,6 +330,7 @@ def score(
     snaps: Snapshots | None = None,
     spec: Speculation | None = None,
     passes: list | None = None,
+    repeats: int = 1,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Compare ``runner`` with a base on the base's token stream; return metrics and speed.
 
@@ -323,14 +338,15 @@ def score(
     :class:`evals.base_logits.TopKLogits` (top-k + tail KL estimate).
 
     Returns (summary, per_position): the :func:`evals.metrics.summarize` statistics plus
-    ``greedy_agree_len`` (tokens), ``n_scored``, ``prefill_ms``, ``prefill_tok_s``,
-    ``decode_tok_s`` and ``decode_ms_per_tok`` (from a synchronized host clock on ``runner``'s
-    device); and the per-position arrays of :func:`evals.metrics.position_metrics` [n_scored].
+    ``greedy_agree_len`` (tokens), ``n_scored``, ``prefill_ms``, ``prefill_tok_s`` and
+    ``decode_rep_tok_s`` (tok/s of each of the ``repeats`` timed repetitions of the decode steps;
+    from a synchronized host clock on ``runner``'s device; :func:`tileinfer.jobs.tables.speed_columns` condenses them);
+    and the per-position arrays of :func:`evals.metrics.position_metrics` [n_scored].
     With ``spec`` the timed decode steps are also run speculatively (:func:`teacher_forced`); the
     pass's :class:`PassResult` is appended to ``passes`` when given.
     """
     acc, timings = MetricsAccumulator(), []
-    for i, logits in teacher_forced(runner, base, decode_steps, timings, snaps, spec):
+    for i, logits in teacher_forced(runner, base, decode_steps, timings, snaps, spec, repeats):
         acc.extend(base.position_metrics(i, logits))
     per_pos = acc.per_position()
     t = timings[0]
@@ -344,7 +360,6 @@ def score(
         n_scored=len(base.tokens) - base.prompt_len,
         prefill_ms=float("nan") if t.prefill_s is None else 1e3 * t.prefill_s,
         prefill_tok_s=float("nan") if t.prefill_s is None else base.prompt_len / t.prefill_s,
-        decode_tok_s=t.decode_steps / t.decode_s if t.decode_steps else float("nan"),
-        decode_ms_per_tok=1e3 * t.decode_s / t.decode_steps if t.decode_steps else float("nan"),
+        decode_rep_tok_s=[t.decode_steps / s for s in t.decode_rep_s] if t.decode_steps else [],
     )
     return out, per_pos

@@ -47,7 +47,7 @@ SCORING = (
     "prefill_chunk",
 )
 # How speed is timed (no effect on drift).
-TIMING = ("decode_tokens", "decode_cuda_graph", "warmup")
+TIMING = ("decode_tokens", "decode_repeats", "decode_cuda_graph", "warmup")
 # Where it ran: CPU decode rounds differently with another thread count (greedy replies can differ).
 MACHINE = ("device", "cpu_threads")
 
@@ -62,8 +62,10 @@ DRIFT = tuple(c for c in CONFIG if not c.startswith("spec")) + SCORING
 RENAMED = {"reference": "base", "ppl_ref": "ppl_base", "p_ref_mean": "p_base_mean"}
 # Identity columns added since: the value that means what rows written before them did (add_bos:
 # null, "not a setting", as for the built-in chat prompts; text files got no BOS then; the spec
-# settings: null, as for spec=none, the only proposer then; corpus, n_windows: null, prompt sets only).
+# settings: null, as for spec=none, the only proposer then; corpus, n_windows: null, prompt sets only;
+# decode_repeats: 1, the decode steps were timed once).
 ADDED = {
+    "decode_repeats": 1,
     "add_bos": None,
     "spec_k": None,
     "spec_settings": None,

@@ -31,6 +31,7 @@ from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
 from tileinfer.core.fetch import pull, pull_source
+from tileinfer.core.files import locked
 from tileinfer.core.tokenizer import Tokenizer
 from tileinfer.engine.runner import ModelRunner, uses_cuda_graph
 from tileinfer.jobs import drift, identity, spec, tables
@@ -389,6 +390,7 @@ class Job:
                 page_size=c.kv.page_size,
                 prefill_chunk=c.kv.prefill_chunk,
                 decode_tokens=c.speed.decode_tokens,
+                decode_repeats=c.speed.repeats,
                 warmup=c.speed.warmup,
                 decode_cuda_graph=uses_cuda_graph(
                     c.speed.cuda_graph, self.loaded.device, ops.get_backend(c.backend.name)
@@ -467,11 +469,16 @@ class Job:
             f = cache / f"{prompt_set}{i}-ctx{self.ctx_tokens}-n{c.eval.n_score}.json"
             stream = drift.load_stream(f, prompt, c.eval.n_score)
             snaps = Snapshots(f.with_name(f"{f.stem}-c{c.kv.prefill_chunk}.resume.pt"), c.snapshot_s)
-            reply = None if stream is None else list(stream.reply)
-            logits = drift.base_pass(base_runner, list(prompt), c.eval.n_score, stop, snaps, reply)
-            if stream is None:  # only now: its logits are finite
-                stream = drift.Stream(tuple(int(t) for t in logits.tokens), logits.prompt_len)
-                drift.save_stream(stream, c.eval.n_score, f)
+            logits = None
+            if stream is None:
+                with locked(f):  # of jobs in several processes, one generates the reply; the others read it
+                    stream = drift.load_stream(f, prompt, c.eval.n_score)
+                    if stream is None:
+                        logits = drift.base_pass(base_runner, list(prompt), c.eval.n_score, stop, snaps)
+                        stream = drift.Stream(tuple(int(t) for t in logits.tokens), logits.prompt_len)
+                        drift.save_stream(stream, c.eval.n_score, f)  # only now: its logits are finite
+            if logits is None:  # teacher-forced over the stored reply
+                logits = drift.base_pass(base_runner, list(prompt), c.eval.n_score, stop, snaps, list(stream.reply))
             base.append(logits)
         _BASE_LOGITS[key] = base
         while (
@@ -556,6 +563,7 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
                 s,
                 speculation if t else None,
                 passes if t else None,
+                cfg.speed.repeats,
             )
             for b, s, t in zip(base, snaps, timed, strict=True)
         ]

@@ -230,6 +230,7 @@ class BaseSettings:
 @dataclass
 class SpeedSettings:
     decode_tokens: int = _num(128, 1)  # decode steps timed after ctx cached positions
+    repeats: int = _num(5, 1)  # timed repetitions of those steps: rows give the median tok/s and the min/max
     warmup: bool = True  # one short prefill + decode first (kernel compilation, allocator)
     cuda_graph: bool = True  # decode steps replay a captured CUDA graph (triton/cutile on CUDA only)
 
@@ -452,7 +453,9 @@ def load(cfg: DictConfig) -> Config:
 def register() -> None:
     """Register the schema with Hydra (conf/config.yaml lists ``schema`` first in its defaults), and
     the ``${pid:}`` resolver: log folders carry the process id, so two commands started in the same
-    second never share a folder (and a multirun's summary never mixes another run's jobs)."""
+    second never share a folder (and a multirun's summary never mixes another run's jobs). Its value
+    is cached in the configuration, which Hydra's launchers hand to their worker processes: a worker
+    resolves the sweep folder with the command's pid, not its own."""
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
-    OmegaConf.register_new_resolver("pid", os.getpid, replace=True)
+    OmegaConf.register_new_resolver("pid", os.getpid, replace=True, use_cache=True)

@@ -13,6 +13,7 @@ import io
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -76,6 +77,23 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def speed_columns(rep_tok_s: list[float]) -> dict:
+    """A row's decode speed from the tok/s of its timed repetitions (of every prompt that timed
+    some): ``decode_tok_s`` their median, ``decode_ms_per_tok`` its inverse, ``decode_tok_s_min`` /
+    ``decode_tok_s_max`` the spread and ``decode_reps`` how many; NaN speeds without any."""
+    if not rep_tok_s:
+        nan = float("nan")
+        return dict(decode_tok_s=nan, decode_ms_per_tok=nan, decode_tok_s_min=nan, decode_tok_s_max=nan, decode_reps=0)
+    median = statistics.median(rep_tok_s)
+    return dict(
+        decode_tok_s=median,
+        decode_ms_per_tok=1e3 / median,
+        decode_tok_s_min=min(rep_tok_s),
+        decode_tok_s_max=max(rep_tok_s),
+        decode_reps=len(rep_tok_s),
+    )
+
+
 def make_row(
     key: dict,
     results: list[tuple[dict, dict]],
@@ -109,16 +127,19 @@ def make_row(
         unit: what one result is, ``prompt`` or (a corpus) ``window``: the unit the intervals resample.
 
     Statistics are taken over the positions of all prompts together, with their 95% intervals
-    (:func:`evals.intervals.row_intervals`); speeds are means over the prompts that timed them.
+    (:func:`evals.intervals.row_intervals`); prefill speeds are means over the prompts that timed them, decode speeds
+    (:func:`speed_columns`) pool their timed repetitions.
     """
     per_pos = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}
     stats = summarize(per_pos) if len(results) > 1 else dict(results[0][0])
     if len(results) > 1:
         stats["greedy_agree_len"] = sum(r[0]["greedy_agree_len"] for r in results) / len(results)
         stats["n_scored"] = sum(r[0]["n_scored"] for r in results)
-        for k in ("prefill_ms", "prefill_tok_s", "decode_tok_s", "decode_ms_per_tok"):
+        for k in ("prefill_ms", "prefill_tok_s"):
             timed = [r[0][k] for r in results if math.isfinite(r[0][k])]  # a corpus decodes after one window
             stats[k] = sum(timed) / len(timed) if timed else float("nan")
+    stats.pop("decode_rep_tok_s", None)  # one prompt's summary: condensed with the others' below
+    stats |= speed_columns([v for r in results for v in r[0]["decode_rep_tok_s"]])
     stats |= row_intervals(per_pos, position_groups(results), unit)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     repeat = sum(repeated_ngram_fraction(r) * len(r) for r in replies) / max(1, sum(map(len, replies)))

@@ -33,7 +33,7 @@ from gguf.quants import dequantize
 from tileinfer.core.checkpoint.checks import all_finite
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
-from tileinfer.core.files import atomic_path, write_text
+from tileinfer.core.files import atomic_path, locked, write_text
 
 # bump when the cached tensors or config would change (names, permutation, rounding, config fields);
 # 2: configs state every field (rope.scale_linear, o_proj biases), tensors checked finite before caching
@@ -414,31 +414,50 @@ def load_gguf(
             NaN or infinity (naming the tensor; nothing is cached then), or an OS failure writing
             the cache (naming its path).
     """
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"no such GGUF file: {path}")
     if cache is None:
         cache = path.stat().st_size > CACHE_MIN_BYTES
-    cached = _cache_file(path, dtype, home) if cache else None
-    if cached is not None and cached.is_file():
-        try:
-            if _stamp(cached).read_text() != _stamp_text(cached):
-                raise ValueError("modified since it was written")
-            with safe_open(str(cached), "pt") as f:
-                cfg = json.loads(f.metadata()["config"])
-            return cfg, load_file(str(cached))
-        except Exception:  # noqa: BLE001 - a damaged or modified cache is rebuilt, never fatal
-            cached.unlink(missing_ok=True)
-            _stamp(cached).unlink(missing_ok=True)
+    if not cache:
+        return _dequantize(path, dtype)
+    cached = _cache_file(path, dtype, home)
+    hit = _read_cache(cached)  # no lock: a cache is whole once its stamp is written
+    if hit is None:
+        with locked(cached):  # of several jobs loading this file, one dequantizes, the others read its cache
+            hit = _read_cache(cached, drop_bad=True)
+            if hit is None:
+                hit = _dequantize(path, dtype)
+                _write_cache(cached, hit[1], hit[0], path)
+    return hit
+
+
+def _dequantize(path: Path, dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
     header = read_header(path)
     cfg = gguf_config(header)
-    sd = _dequantize_all(header, cfg, dtype)
-    if cached is not None:
-        _write_cache(cached, sd, cfg, path)
-    return cfg, sd
+    return cfg, _dequantize_all(header, cfg, dtype)
+
+
+def _read_cache(cached: Path, drop_bad: bool = False) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """The config and tensors of a cache file, or None when it is missing, damaged or modified since
+    it was written (deleted then with ``drop_bad``: only under the lock, as another process may be
+    between writing the file and its stamp)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not cached.is_file():
+        return None
+    try:
+        if _stamp(cached).read_text() != _stamp_text(cached):
+            raise ValueError("modified since it was written")
+        with safe_open(str(cached), "pt") as f:
+            cfg = json.loads(f.metadata()["config"])
+        return cfg, load_file(str(cached))
+    except Exception:  # noqa: BLE001 - a damaged or modified cache is rebuilt, never fatal
+        if drop_bad:
+            cached.unlink(missing_ok=True)
+            _stamp(cached).unlink(missing_ok=True)
+        return None
 
 
 def _stamp(cached: Path) -> Path:
