@@ -127,6 +127,36 @@ def test_joblib_workers_give_the_rows_of_a_serial_run_and_the_parent_prints_prog
     assert re.search(r"=== job #\d in worker pid \d+: ", out.stderr) and not re.search(r"=== job \d/\d", out.stderr)
 
 
+_HELD = []  # what a loky worker of the test below keeps between its tasks
+
+
+def _worker_task(hold_mb: int, lift_guard: bool) -> int:
+    """In a loky worker: optionally lift its leak guard as a sweep job does, keep ``hold_mb`` MB (as a
+    sweep worker keeps its models for its next job), wait past loky's 1 s check interval; the pid."""
+    if lift_guard:
+        from tileinfer.sweep import keep_worker_alive
+
+        keep_worker_alive()
+    _HELD.append(bytearray(hold_mb << 20))
+    time.sleep(1.2)
+    return os.getpid()
+
+
+@pytest.mark.parametrize("lift_guard", [False, True])
+def test_a_sweep_worker_keeps_its_memory_across_jobs(lift_guard):
+    # loky restarts a worker whose memory grew 300 MB past its size after the first task: a sweep worker
+    # that did so lost its loaded models between jobs on the H200 (h200-2026-12-01-scaling.md)
+    pytest.importorskip("psutil")  # loky's guard measures memory with psutil; without it there is none
+    from joblib.externals.loky import get_reusable_executor
+
+    ex = get_reusable_executor(max_workers=1, reuse=False)
+    try:
+        pids = [ex.submit(_worker_task, mb, lift_guard).result() for mb in (0, 400, 0)]
+    finally:
+        ex.shutdown(kill_workers=True)
+    assert (pids[0] == pids[2]) is lift_guard, pids
+
+
 @pytest.mark.slow
 def test_a_killed_worker_loses_unfinished_jobs_only_and_a_rerun_completes_them(tiny, serial, tmp_path):
     runs, tmp = tmp_path / "runs", tmp_path / "tmp"

@@ -58,6 +58,7 @@ def main(cfg: DictConfig) -> None:
     """Hydra entry point: one job of a run or multirun, in this process or a launcher's worker."""
     with exit_on_user_error("tileinfer.sweep"):
         gpu_slots.claim()  # first: before anything initialises CUDA
+        keep_worker_alive()
         hc = HydraConfig.get()
         announce(hc)
         t0 = time.monotonic()
@@ -65,6 +66,19 @@ def main(cfg: DictConfig) -> None:
         tables.print_table(read_rows(paths), where=paths)
         done = {"overrides": list(hc.overrides.task), "wall_s": time.monotonic() - t0, "rows": [str(p) for p in paths]}
         files.write_text(Path(hc.runtime.output_dir) / ROWS_LIST, json.dumps(done))
+
+
+def keep_worker_alive() -> None:
+    """Lift the leak guard of joblib's loky workers in this process (a no-op elsewhere).
+
+    A loky worker restarts itself once its memory has grown 300 MB past its size after its first task.
+    A sweep worker grows by what it keeps for its next jobs on purpose (models, quantized copies and
+    base logits: tileinfer.jobs.job), so the guard restarted workers mid-multirun on the H200, losing
+    those and paying a new process's imports and kernel loads (benchmarks/results/h200-2026-12-01-scaling.md).
+    """
+    loky = sys.modules.get("joblib.externals.loky.process_executor")
+    if loky is not None:
+        loky._MAX_MEMORY_LEAK_SIZE = sys.maxsize
 
 
 def announce(hc) -> None:

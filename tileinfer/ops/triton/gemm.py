@@ -422,9 +422,8 @@ _OVERRIDE: dict[str, tuple] = {}
 SHAPE_TABLE: dict[str, dict] = {
     # Qwen3-4B qkv at 1k tokens: 128 x 128 50.1 us against 57.2 for the table's 128 x 256
     "gemm_bf16": {(1024, 6144, 2560): (128, 128, 64, 8, 8, 4, "tma_ws")},
-    # Qwen3-8B gate_up, INT8, one row: the tensor-core path (h200-2026-12-01-gemv-dot.md); every other
-    # single-row shape of the sweep stays on the FMA path
-    "gemv1_int8": {(24576, 4096): (64, 128, 4, 4, GEMV_DOT)},
+    # No single-row shape takes GEMV_DOT: it won the 8B gate_up alone in bench.ops (h200-2026-12-01-gemv-dot.md)
+    # but lost whole-model INT8 decode on the 8B shape (h200-2026-12-01-gemv-dot-ab.md): time the model too.
 }
 
 
