@@ -252,6 +252,27 @@ def test_two_workers_get_two_slots(tmp_path):
         assert err == f"worker pid {p.pid}: GPU slot {i} (CUDA_VISIBLE_DEVICES={i})\n"
 
 
+def test_two_slots_on_one_gpu_say_so(tmp_path):
+    # TILEINFER_GPUS=0,0: both workers time on GPU 0; each slot knows it has company, and warns
+    a, b = claimer(tmp_path, "0,0,1"), None
+    try:
+        assert a.stdout.readline().split() == ["0", "0", "True"]
+        b = claimer(tmp_path, "0,0,1")
+        assert b.stdout.readline().split() == ["1", "0", "True"]
+    finally:
+        errs = [p.communicate("")[1] for p in (a, b) if p is not None]
+    for err in errs:
+        assert "warning: GPU 0 has 2 slots in TILEINFER_GPUS: the speed columns" in err, err
+    c = subprocess.run(
+        [sys.executable, "-c", "from tileinfer.core import gpu_slots; print(gpu_slots.claim().workers)"],
+        env=env(tmp_path, TILEINFER_GPUS="0,1"),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert c.stdout.split() == ["1"] and "warning" not in c.stderr
+
+
 @pytest.mark.parametrize("end", ["exit", "sigkill"])
 def test_a_worker_waits_for_a_taken_slot_until_its_holder_ends(tmp_path, end):
     a = claimer(tmp_path, "0")

@@ -44,10 +44,12 @@ _HELD: dict = {}  # this process's slot ("slot") and its lock ("lock"), held unt
 
 @dataclass(frozen=True)
 class Slot:
-    """A claimed slot: its place in the pool and its GPU id (the value given to ``CUDA_VISIBLE_DEVICES``)."""
+    """A claimed slot: its place in the pool, its GPU id (the value given to ``CUDA_VISIBLE_DEVICES``)
+    and how many slots of the pool name that GPU (``0,0``: 2, two workers timing on one GPU)."""
 
     index: int
     device: str
+    workers: int = 1
 
 
 def pool() -> list[str]:
@@ -135,19 +137,31 @@ def claim() -> Slot | None:
             _check_cuda_not_started(device, lock)
             before = os.environ.get("CUDA_VISIBLE_DEVICES")
             os.environ["CUDA_VISIBLE_DEVICES"] = device
-            _HELD.update(slot=Slot(i, device), lock=lock)
+            _HELD.update(slot=Slot(i, device, ids.count(device)), lock=lock)
             was = f", was {before}" if before not in (None, device) else ""  # e.g. submitit's local executor's
             print(
                 f"worker pid {os.getpid()}: GPU slot {i} (CUDA_VISIBLE_DEVICES={device}{was})",
                 file=sys.stderr,
                 flush=True,
             )
+            if ids.count(device) > 1:
+                print(
+                    f"warning: GPU {device} has {ids.count(device)} slots in {POOL_VAR}: the speed columns of "
+                    "their rows are timed while another worker uses the GPU (rows say so in gpu_workers)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return _HELD["slot"]
         if not waiting:
             pids = ", ".join(_holder(folder / f"{n}.pid") for n in names)
             print(f"waiting for a free GPU slot ({len(ids)} claimed by pids {pids})", file=sys.stderr, flush=True)
             waiting = True
         time.sleep(POLL_S)
+
+
+def held() -> Slot | None:
+    """The slot this process claimed (:func:`claim`), or None."""
+    return _HELD.get("slot")
 
 
 def _holder(pid_file: Path) -> str:

@@ -25,7 +25,7 @@ from evals.prompts import PROMPT_SETS, build_prompt, build_text_prompt, load_tex
 from quantize import QuantScheme, calibration_text
 from quantize import apply as apply_quant
 from tileinfer import ops
-from tileinfer.core import registry
+from tileinfer.core import gpu_slots, registry
 from tileinfer.core.checkpoint import Checkpoint, load_checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
@@ -570,6 +570,8 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
         greedy = cfg.spec.temperature == 0
         spec_cols = spec.columns([spec.pass_columns(t, greedy) for t in passes] if speculation else None)
         corpus_cols = {"corpus_tokens": job.corpus_tokens[set_name]} if window else {}
+        slot = gpu_slots.held()  # speeds timed on a GPU shared with other workers (TILEINFER_GPUS=0,0) say so
+        timing_cols = {"gpu_workers": slot.workers if slot and device.type == "cuda" else None}
         row = tables.make_row(
             keys[set_name],
             results,
@@ -580,7 +582,7 @@ def run(cfg: Config, force: bool = False) -> list[Path]:
             kl_estimate="exact" if isinstance(base[0], FullLogits) else f"topk{base[0].k}+tail",
             fallbacks=ops.fallbacks(),
             replies=[b.tokens[b.prompt_len :].tolist() for b in base],
-            extra=spec_cols | corpus_cols,
+            extra=spec_cols | corpus_cols | timing_cols,
             unit="window" if window else "prompt",
         )
         per_position = {k: torch.cat([r[1][k] for r in results]) for k in tables.POSITION_COLUMNS}

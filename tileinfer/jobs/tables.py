@@ -123,7 +123,8 @@ def make_row(
             (:func:`evals.metrics.repeated_ngram_fraction`), and ``degenerate`` flags a window above
             :data:`evals.metrics.DEGENERATE_REPEAT` (a reply stuck in a loop is trivially
             predictable, so its KL understates the drift on real text).
-        extra: more columns, placed after the speeds (the speculative decoding columns).
+        extra: more columns, placed after the speeds (the speculative decoding columns, a corpus's
+            token count, ``gpu_workers``: the workers whose slots share the row's GPU).
         unit: what one result is, ``prompt`` or (a corpus) ``window``: the unit the intervals resample.
 
     Statistics are taken over the positions of all prompts together, with their 95% intervals
