@@ -25,7 +25,7 @@ NOT_COMPARED = {
     "wall_s",
     # the allocator's peak counts the models a worker keeps from its earlier jobs (tileinfer.jobs.job)
     "peak_mem_bytes",
-    "gpu_workers",  # one worker per GPU or two sharing one: the speeds differ, nothing else may
+    "device_workers",  # one worker per device or two sharing one: the speeds differ, nothing else may
     "finished_at",
     "git_commit",
     "row_file",

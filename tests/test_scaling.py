@@ -36,7 +36,8 @@ SETTINGS = [
     "kv.prefill_chunk=32",
 ]
 # timings and when a row was written differ between runs; every other column must not
-VOLATILE = re.compile(r"_ms|tok_s|_s$|_at$|speedup|peak_mem")
+# (device_workers: how many workers timed on the CPU at once, 2 in a two-worker run)
+VOLATILE = re.compile(r"_ms|tok_s|_s$|_at$|speedup|peak_mem|device_workers")
 
 
 def env(tmp: Path, **extra) -> dict:
@@ -94,7 +95,9 @@ def stable(runs: Path) -> pl.DataFrame:
 
 
 def positions(runs: Path) -> dict[str, pl.DataFrame]:
-    return {p.name: pl.read_parquet(p) for p in (runs / "rows").rglob("*.positions.parquet")}
+    """Per-position tables by row label (the file name less its identity hash, which covers device_workers)."""
+    files = (runs / "rows").rglob("*.positions.parquet")
+    return {re.sub(r"-[0-9a-f]{10}\.positions\.parquet$", "", p.name): pl.read_parquet(p) for p in files}
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +115,10 @@ def test_joblib_workers_give_the_rows_of_a_serial_run_and_the_parent_prints_prog
     assert sorted(re.findall(r"GPU slot (\d) \(CUDA_VISIBLE_DEVICES=(\d)\)", out.stderr)) == [("0", "0"), ("1", "1")]
     df, ref = stable(runs), stable(serial)
     assert len(df) == len(QUANTS) and df.equals(ref), (df, ref)
+    # two workers timed on the CPU at once, and the rows say so (the serial run's timed alone)
+    assert set(tables.collect(runs / "rows")["device_workers"]) == {2}
+    assert set(tables.collect(serial / "rows")["device_workers"]) == {1}
+    assert "warning: 2 workers share this CPU" in out.stderr
     assert all(tables.is_complete_row(p) for p in tables.row_files(runs / "rows"))
     got, want = positions(runs), positions(serial)
     assert got.keys() == want.keys() and all(got[k].equals(want[k]) for k in want)
@@ -252,17 +259,17 @@ def test_two_workers_get_two_slots(tmp_path):
         assert err == f"worker pid {p.pid}: GPU slot {i} (CUDA_VISIBLE_DEVICES={i})\n"
 
 
-def test_two_slots_on_one_gpu_say_so(tmp_path):
-    # TILEINFER_GPUS=0,0: both workers time on GPU 0; each slot knows it has company, and warns
+def test_two_slots_on_one_gpu_know_they_share_it(tmp_path):
+    # TILEINFER_GPUS=0,0: both workers time on GPU 0; each slot knows it has company (rows' device_workers)
     a, b = claimer(tmp_path, "0,0,1"), None
     try:
         assert a.stdout.readline().split() == ["0", "0", "True"]
         b = claimer(tmp_path, "0,0,1")
         assert b.stdout.readline().split() == ["1", "0", "True"]
     finally:
-        errs = [p.communicate("")[1] for p in (a, b) if p is not None]
-    for err in errs:
-        assert "warning: GPU 0 has 2 slots in TILEINFER_GPUS: the speed columns" in err, err
+        for p in (a, b):
+            if p is not None:
+                p.communicate("")
     c = subprocess.run(
         [sys.executable, "-c", "from tileinfer.core import gpu_slots; print(gpu_slots.claim().workers)"],
         env=env(tmp_path, TILEINFER_GPUS="0,1"),
@@ -270,7 +277,85 @@ def test_two_slots_on_one_gpu_say_so(tmp_path):
         text=True,
         cwd=REPO,
     )
-    assert c.stdout.split() == ["1"] and "warning" not in c.stderr
+    assert c.stdout.split() == ["1"]
+    d = subprocess.run(
+        [sys.executable, "-c", "from tileinfer.core import gpu_slots; print(gpu_slots.claim().workers)"],
+        env=env(tmp_path, TILEINFER_GPUS="0,0"),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert d.stdout.split() == ["2"]
+
+
+@pytest.mark.parametrize(
+    "args, pool, message",
+    [
+        (["hydra/launcher=nonexistent"], None, "hydra/launcher=nonexistent: expected one of basic, gpus"),
+        (["hydra/launcher=gpus", "hydra.launcher.n_jobs=0"], None, "hydra.launcher.n_jobs=0: expected at least one"),
+        (["hydra/launcher=gpus", "hydra.launcher.n_jobs=abc"], None, "n_jobs=abc: expected a whole number"),
+        # more workers than slots: the one without a slot would wait for ever
+        (["hydra/launcher=gpus", "hydra.launcher.n_jobs=3"], "0,1", "n_jobs=3 starts 3 workers for 2 GPU slot(s)"),
+    ],
+)
+def test_launcher_mistakes_are_one_line_before_any_job(tiny, tmp_path, args, pool, message):
+    extra = {"TILEINFER_GPUS": pool} if pool else {}
+    out = subprocess.run(
+        sweep_cmd(tiny, tmp_path / "runs", *args),
+        env=env(tmp_path / "tmp", **extra),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and message in out.stderr, out.stderr
+    assert not (tmp_path / "runs" / "logs").exists()  # no job started
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_workers_with_the_command(tiny, tmp_path):
+    # kill, timeout and schedulers send SIGTERM to the command alone: its workers must not live on,
+    # holding their GPU slots
+    runs, tmp = tmp_path / "runs", tmp_path / "tmp"
+    cmd = sweep_cmd(tiny, runs, "hydra/launcher=gpus", "hydra.launcher.n_jobs=2")
+    proc = subprocess.Popen(
+        cmd, env=env(tmp, TILEINFER_GPUS="0,1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO
+    )
+    slots = tmp / gpu_slots.lock_dir().name
+    try:
+        deadline = time.monotonic() + 300
+        while not all((slots / f"gpu{i}.0.pid").exists() for i in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the workers never claimed their slots"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the pid files are written just before the claim returns
+        workers = [int((slots / f"gpu{i}.0.pid").read_text()) for i in (0, 1)]
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted; finished results are kept" in output, output[-3000:]
+    deadline = time.monotonic() + 30
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(w) for w in workers)
+
+
+def test_two_commands_on_one_runs_dir_compute_a_row_once(tiny, tmp_path):
+    # the same single job started twice at once: the second waits for the first's row, then keeps it
+    runs = tmp_path / "runs"
+    cmd = sweep_cmd(tiny, runs, quants=["int8_both"])
+    del cmd[3]  # "-m" of the multirun: one job
+    procs = [
+        subprocess.Popen(
+            cmd, env=env(tmp_path / "tmp"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum("already done" in o for o, _ in outs) == 1, outs  # one computed it, the other found it
+    rows = tables.row_files(runs / "rows")
+    assert len(rows) == 1 and tables.is_complete_row(rows[0])
 
 
 @pytest.mark.parametrize("end", ["exit", "sigkill"])

@@ -21,8 +21,10 @@ at the end, all rows as one table, saved as ``summary.parquet`` / ``summary.md``
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -37,7 +39,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from tileinfer.core import files, gpu_slots
-from tileinfer.core.errors import check_runs_dir, exit_on_user_error
+from tileinfer.core.errors import UserError, check_runs_dir, exit_on_user_error
 from tileinfer.jobs import job, schema, tables
 
 ROWS_LIST = "rows.json"  # in each job's Hydra output folder: its overrides, wall time and row files
@@ -62,10 +64,22 @@ def main(cfg: DictConfig) -> None:
         hc = HydraConfig.get()
         announce(hc)
         t0 = time.monotonic()
-        paths = job.run(schema.load(cfg))
+        paths = job.run(schema.load(cfg), cpu_workers=launcher_workers(hc))
         tables.print_table(read_rows(paths), where=paths)
         done = {"overrides": list(hc.overrides.task), "wall_s": time.monotonic() - t0, "rows": [str(p) for p in paths]}
         files.write_text(Path(hc.runtime.output_dir) / ROWS_LIST, json.dumps(done))
+
+
+def launcher_workers(hc) -> int | None:
+    """How many jobs the launcher may run on this host at once: 1 under Hydra's basic launcher, joblib's
+    ``n_jobs`` (negative: CPU count + 1 + n_jobs, as joblib counts), None for another launcher."""
+    target = hc.launcher._target_
+    if target.endswith(".BasicLauncher"):
+        return 1
+    if "joblib" in target:
+        n = int(hc.launcher.n_jobs)
+        return n if n > 0 else max(1, (os.cpu_count() or 1) + 1 + n)
+    return None
 
 
 def keep_worker_alive() -> None:
@@ -180,6 +194,59 @@ class PrintSummary(Callback):
         tables.print_table(df, where=paths)
 
 
+# hydra/launcher options: this project's presets (conf/hydra/launcher) and the plugins' own, with the
+# plugin each needs (None: Hydra itself).
+LAUNCHERS = {
+    "basic": None,
+    "gpus": "hydra_joblib_launcher",
+    "joblib": "hydra_joblib_launcher",
+    "slurm": "hydra_submitit_launcher",
+    "submitit_local": "hydra_submitit_launcher",
+    "submitit_slurm": "hydra_submitit_launcher",
+}
+EXTRA = {"hydra_joblib_launcher": "joblib", "hydra_submitit_launcher": "slurm"}
+
+
+def check_launcher(argv: list[str], slots: int) -> None:
+    """Refuse, with one line, a launcher that is unknown or not installed, and a joblib ``n_jobs`` that
+    is not a positive count or exceeds the GPU slots (``slots``; 0 without a pool): a worker without
+    a slot would wait for ever, since the others keep theirs until the multirun ends.
+
+    Raises:
+        UserError: any of these.
+    """
+    values = {k: v for k, _, v in (a.partition("=") for a in argv if "=" in a)}
+    launcher = values.get("hydra/launcher", "basic")
+    if launcher not in LAUNCHERS:
+        raise UserError(f"hydra/launcher={launcher}: expected one of {', '.join(LAUNCHERS)}")
+    plugin = LAUNCHERS[launcher]
+    if plugin and importlib.util.find_spec(f"hydra_plugins.{plugin}") is None:
+        raise UserError(
+            f'hydra/launcher={launcher} needs {plugin.replace("_", "-")}: pip install -e ".[{EXTRA[plugin]}]"'
+        )
+    if plugin != "hydra_joblib_launcher":
+        return
+    text = values.get("hydra.launcher.n_jobs", str(slots or 1) if launcher == "gpus" else "-1")
+    try:
+        n = int(text)
+    except ValueError:
+        raise UserError(f"hydra.launcher.n_jobs={text}: expected a whole number of workers") from None
+    workers = n if n > 0 else (os.cpu_count() or 1) + 1 + n
+    if n == 0 or workers < 1:
+        raise UserError(f"hydra.launcher.n_jobs={text}: expected at least one worker")
+    if slots and workers > slots:
+        raise UserError(
+            f"hydra.launcher.n_jobs={text} starts {workers} workers for {slots} GPU slot(s) of "
+            f"{gpu_slots.POOL_VAR}: at most {slots}, or name a GPU twice ({gpu_slots.POOL_VAR}=0,0) for two on it"
+        )
+
+
+def _terminate(signum, frame) -> None:
+    """SIGTERM (kill, timeout, a scheduler) ends the command as Ctrl-C does, so the launcher stops its
+    workers (left running otherwise, holding their GPU slots)."""
+    raise KeyboardInterrupt
+
+
 def cli(argv: list[str]) -> None:
     """``python -m tileinfer.sweep ARGS``: check every job of the command line, give the GPUs of this
     host to the workers a launcher will start (:func:`tileinfer.core.gpu_slots.export_pool`), run."""
@@ -188,8 +255,9 @@ def cli(argv: list[str]) -> None:
     _SWEEP["jobs"] = schema.check_jobs("tileinfer.sweep", argv)
     with exit_on_user_error("tileinfer.sweep"):
         gpu_slots.export_pool()
-        gpu_slots.pool()  # a malformed $TILEINFER_GPUS is refused before any job starts
-    main()
+        check_launcher(argv, len(gpu_slots.pool()))  # also refuses a malformed $TILEINFER_GPUS
+        signal.signal(signal.SIGTERM, _terminate)
+        main()
 
 
 if __name__ == "__main__":

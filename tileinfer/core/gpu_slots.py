@@ -144,13 +144,6 @@ def claim() -> Slot | None:
                 file=sys.stderr,
                 flush=True,
             )
-            if ids.count(device) > 1:
-                print(
-                    f"warning: GPU {device} has {ids.count(device)} slots in {POOL_VAR}: the speed columns of "
-                    "their rows are timed while another worker uses the GPU (rows say so in gpu_workers)",
-                    file=sys.stderr,
-                    flush=True,
-                )
             return _HELD["slot"]
         if not waiting:
             pids = ", ".join(_holder(folder / f"{n}.pid") for n in names)

@@ -46,8 +46,8 @@ SCORING = (
     "page_size",
     "prefill_chunk",
 )
-# How speed is timed (no effect on drift).
-TIMING = ("decode_tokens", "decode_repeats", "decode_cuda_graph", "warmup")
+# How speed is timed (no effect on drift), and how many workers timed on the same device at once.
+TIMING = ("decode_tokens", "decode_repeats", "decode_cuda_graph", "warmup", "device_workers")
 # Where it ran: CPU decode rounds differently with another thread count (greedy replies can differ).
 MACHINE = ("device", "cpu_threads")
 
@@ -63,9 +63,10 @@ RENAMED = {"reference": "base", "ppl_ref": "ppl_base", "p_ref_mean": "p_base_mea
 # Identity columns added since: the value that means what rows written before them did (add_bos:
 # null, "not a setting", as for the built-in chat prompts; text files got no BOS then; the spec
 # settings: null, as for spec=none, the only proposer then; corpus, n_windows: null, prompt sets only;
-# decode_repeats: 1, the decode steps were timed once).
+# decode_repeats: 1, the decode steps were timed once; device_workers: 1, jobs ran one at a time).
 ADDED = {
     "decode_repeats": 1,
+    "device_workers": 1,
     "add_bos": None,
     "spec_k": None,
     "spec_settings": None,

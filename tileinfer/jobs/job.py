@@ -305,6 +305,7 @@ class Job:
     draft_sha: str | None = None  # the draft model's checkpoint hash (spec=draft)
     corpora: dict[str, str] = field(default_factory=dict)  # the corpora among ``prompts``: name -> eval.corpora entry
     corpus_tokens: dict[str, int] = field(default_factory=dict)  # tokens each corpus has (its windows may use fewer)
+    device_workers: int | None = 1  # workers that may time on this job's device at once (run())
 
     @property
     def max_len(self) -> int:
@@ -391,6 +392,7 @@ class Job:
                 prefill_chunk=c.kv.prefill_chunk,
                 decode_tokens=c.speed.decode_tokens,
                 decode_repeats=c.speed.repeats,
+                device_workers=self.device_workers,
                 warmup=c.speed.warmup,
                 decode_cuda_graph=uses_cuda_graph(
                     c.speed.cuda_graph, self.loaded.device, ops.get_backend(c.backend.name)
@@ -526,73 +528,95 @@ def resolve(cfg: Config) -> Job:
     return job
 
 
-def run(cfg: Config, force: bool = False) -> list[Path]:
+def run(cfg: Config, force: bool = False, cpu_workers: int | None = 1) -> list[Path]:
     """Compute every missing row of one job (every row with ``force``); return the paths of all its
-    rows (done or reused)."""
+    rows (done or reused).
+
+    ``cpu_workers``: how many processes of the command may run jobs on this host's CPU at once (a
+    launcher's workers; None: unknown). Rows record, as ``device_workers``, how many workers may
+    time on their device at once: that number on the CPU, the workers of the claimed GPU slot's GPU
+    on CUDA (tileinfer.core.gpu_slots). Above 1 their speeds are timed against each other.
+    """
     job = resolve(cfg)
+    slot = gpu_slots.held()
+    job.device_workers = (slot.workers if slot else 1) if job.loaded.device.type == "cuda" else cpu_workers
+    if job.device_workers != 1:
+        print(
+            f"warning: {job.device_workers or 'an unknown number of'} workers share this "
+            f"{job.loaded.device.type.upper()}: the speed columns of these rows are timed against each other "
+            "(device_workers says so)",
+            file=sys.stderr,
+        )
     keys = {s: job.identity(s) for s in job.prompts}  # once: the file name and the row hold the same key
     todo = {s: job.row_path(key) for s, key in keys.items()}
     missing = {s: p for s, p in todo.items() if force or not tables.is_complete_row(p)}
     if not missing:
         print(f"already done: {', '.join(str(p) for p in todo.values())}")
         return list(todo.values())
-    device = job.loaded.device
     cand_runner, _ = job.runner(job.cfg.backend.name, job.scheme)
     base_runner = None if cfg.base.source == "stored" else job.runner(job.base_backend, job.base_scheme)[0]
     draft = draft_runner(job.cfg, job) if cfg.spec.name == "draft" else None
     speculation = spec.speculation(job.cfg.spec, cand_runner, job.loaded.tokenizer, draft)
     for set_name, path in missing.items():
-        t0 = time.perf_counter()
-        base = job.base_logits(set_name, base_runner)
-        if cfg.speed.warmup:
-            drift.warm_up(cand_runner, base[0], speculation)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        ops.reset_fallbacks()
-        # a proposer fed the target's hidden states needs the whole prefill: no resume snapshots
-        hidden = speculation is not None and speculation.proposer.hidden_layers
-        snaps = [Snapshots(None) if hidden else job.snapshots(path, i) for i in range(len(base))]
-        passes: list[drift.PassResult] = []
-        window = set_name in job.corpora  # a corpus times decoding (and speculation) after its first window only
-        timed = [i == 0 or not window for i in range(len(base))]
-        results = [
-            drift.score(
-                cand_runner,
-                b,
-                cfg.speed.decode_tokens if t else 0,
-                s,
-                speculation if t else None,
-                passes if t else None,
-                cfg.speed.repeats,
-            )
-            for b, s, t in zip(base, snaps, timed, strict=True)
-        ]
-        greedy = cfg.spec.temperature == 0
-        spec_cols = spec.columns([spec.pass_columns(t, greedy) for t in passes] if speculation else None)
-        corpus_cols = {"corpus_tokens": job.corpus_tokens[set_name]} if window else {}
-        slot = gpu_slots.held()  # speeds timed on a GPU shared with other workers (TILEINFER_GPUS=0,0) say so
-        timing_cols = {"gpu_workers": slot.workers if slot and device.type == "cuda" else None}
-        row = tables.make_row(
-            keys[set_name],
-            results,
-            device=device,
-            weights_bytes=cand_runner.model.weight_bytes(),
-            kv_bytes=cand_runner.kv.bytes_per_position() * job.max_len,
-            wall_s=time.perf_counter() - t0,
-            kl_estimate="exact" if isinstance(base[0], FullLogits) else f"topk{base[0].k}+tail",
-            fallbacks=ops.fallbacks(),
-            replies=[b.tokens[b.prompt_len :].tolist() for b in base],
-            extra=spec_cols | corpus_cols | timing_cols,
-            unit="window" if window else "prompt",
-        )
-        per_position = {k: torch.cat([r[1][k] for r in results]) for k in tables.POSITION_COLUMNS}
-        tables.write_row(path, row, per_position | {"group": tables.position_groups(results)})
-        if row["degenerate"]:
-            print(
-                f"warning: {set_name}: {row['reply_repeat_frac']:.0%} of the base reply repeats its own 4-grams "
-                "(a loop): the scored window is trivially predictable and its KL understates the drift",
-                file=sys.stderr,
-            )
-        for s in snaps:
-            s.clear()
+        with locked(path):  # two sweeps over one runs_dir: one computes a row, the other then finds it
+            if not force and tables.is_complete_row(path):
+                print(f"already done by another process: {path}")
+                continue
+            score_prompt_set(job, set_name, path, keys[set_name], cand_runner, base_runner, speculation)
     return list(todo.values())
+
+
+def score_prompt_set(job: Job, set_name: str, path: Path, key: dict, cand_runner, base_runner, speculation) -> None:
+    """Score one prompt set (or corpus) of ``job`` and write its row to ``path``."""
+    cfg, device = job.cfg, job.loaded.device
+    t0 = time.perf_counter()
+    base = job.base_logits(set_name, base_runner)
+    if cfg.speed.warmup:
+        drift.warm_up(cand_runner, base[0], speculation)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ops.reset_fallbacks()
+    # a proposer fed the target's hidden states needs the whole prefill: no resume snapshots
+    hidden = speculation is not None and speculation.proposer.hidden_layers
+    snaps = [Snapshots(None) if hidden else job.snapshots(path, i) for i in range(len(base))]
+    passes: list[drift.PassResult] = []
+    window = set_name in job.corpora  # a corpus times decoding (and speculation) after its first window only
+    timed = [i == 0 or not window for i in range(len(base))]
+    results = [
+        drift.score(
+            cand_runner,
+            b,
+            cfg.speed.decode_tokens if t else 0,
+            s,
+            speculation if t else None,
+            passes if t else None,
+            cfg.speed.repeats,
+        )
+        for b, s, t in zip(base, snaps, timed, strict=True)
+    ]
+    greedy = cfg.spec.temperature == 0
+    spec_cols = spec.columns([spec.pass_columns(t, greedy) for t in passes] if speculation else None)
+    corpus_cols = {"corpus_tokens": job.corpus_tokens[set_name]} if window else {}
+    row = tables.make_row(
+        key,
+        results,
+        device=device,
+        weights_bytes=cand_runner.model.weight_bytes(),
+        kv_bytes=cand_runner.kv.bytes_per_position() * job.max_len,
+        wall_s=time.perf_counter() - t0,
+        kl_estimate="exact" if isinstance(base[0], FullLogits) else f"topk{base[0].k}+tail",
+        fallbacks=ops.fallbacks(),
+        replies=[b.tokens[b.prompt_len :].tolist() for b in base],
+        extra=spec_cols | corpus_cols,
+        unit="window" if window else "prompt",
+    )
+    per_position = {k: torch.cat([r[1][k] for r in results]) for k in tables.POSITION_COLUMNS}
+    tables.write_row(path, row, per_position | {"group": tables.position_groups(results)})
+    if row["degenerate"]:
+        print(
+            f"warning: {set_name}: {row['reply_repeat_frac']:.0%} of the base reply repeats its own 4-grams "
+            "(a loop): the scored window is trivially predictable and its KL understates the drift",
+            file=sys.stderr,
+        )
+    for s in snaps:
+        s.clear()

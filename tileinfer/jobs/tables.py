@@ -124,7 +124,7 @@ def make_row(
             :data:`evals.metrics.DEGENERATE_REPEAT` (a reply stuck in a loop is trivially
             predictable, so its KL understates the drift on real text).
         extra: more columns, placed after the speeds (the speculative decoding columns, a corpus's
-            token count, ``gpu_workers``: the workers whose slots share the row's GPU).
+            token count).
         unit: what one result is, ``prompt`` or (a corpus) ``window``: the unit the intervals resample.
 
     Statistics are taken over the positions of all prompts together, with their 95% intervals
