@@ -165,7 +165,7 @@ def test_repetition_measure():
 
 
 def test_rows_record_repetition_and_flag_a_degenerate_window():
-    summary = {"kl_mean": 0.1, "greedy_agree_len": 3, "n_scored": 60}
+    summary = {"kl_mean": 0.1, "greedy_agree_len": 3, "n_scored": 60, "decode_rep_tok_s": [9.0, 10.0]}
     per_pos = {"kl": torch.zeros(60), "top1_agree": torch.ones(60), "dp": torch.zeros(60)}
     kw = dict(device=torch.device("cpu"), weights_bytes=1, kv_bytes=1, wall_s=1.0, kl_estimate="exact", fallbacks=[])
     looped = tables.make_row({}, [(summary, per_pos)], replies=[[1, 2, 3, 4, 5, 6] * 10], **kw)
