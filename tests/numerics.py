@@ -19,9 +19,15 @@ from tileinfer.ops import Int8Weight
 from tileinfer.ops import reference as R
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
-# Relative error in norm allowed for an op's output in its dtype: float32 to summation order,
-# bf16 to about two roundings (one is 2**-9).
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# Relative error in norm allowed for an op's output in its dtype against the reference.
+# float32 (interpreter cases only): summation order; measured 2026-12-01 (CPU, seed 0) 8e-8 (norms,
+# RoPE) to 3.2e-7 (attention), swiglu 4.8e-7 against 2 x TOL. bf16: about two roundings of the
+# output (one is up to 2**-9 relative), wide on purpose: the same bound holds the GPU targets, whose
+# tensor-core kernels round other intermediates (attention's probabilities, split-K partial sums) to
+# bf16 and accumulate in another order; the interpreter runs the reference's float32 arithmetic and
+# measures 0 to 4e-5 (attention), so on the CPU it only catches gross faults: the exact points are
+# pinned by the bitwise INT8 write, the loud-value attention reads and the float32 cases.
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 
 # ---------------------------------------------------------------------------- shapes
 

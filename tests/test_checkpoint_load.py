@@ -5,6 +5,8 @@ transformers on the same weights, float32 on the CPU."""
 
 import errno
 import struct
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from tests.test_model_vs_transformers import LOGITS_TOL
 from tests.tiny_models import make_tiny, write_gguf
 from tileinfer.core.checkpoint import load_checkpoint
-from tileinfer.core.checkpoint.gguf_file import load_gguf
+from tileinfer.core.checkpoint.gguf_file import GGUFHeader, TensorInfo, gguf_config, hf_name, load_gguf
 from tileinfer.core.errors import UserError
 from tileinfer.engine.runner import ModelRunner
 from tileinfer.models import Transformer
@@ -72,6 +74,116 @@ def test_gguf_rope_scaling_type_none_ignores_the_factor(tmp_path):
         hf, tmp_path / "m.gguf", [("{arch}.rope.scaling.type", "none"), ("{arch}.rope.scale_linear", 4.0)]
     )
     assert_logits_match(hf, path)
+
+
+def header(arch, metadata, tensors=("token_embd.weight",)):
+    """An in-memory GGUF header (no file): ``{arch}.`` prefixed to the metadata keys given, F32
+    tensors of the names given (the embedding 96 x 64)."""
+    md = {"general.architecture": arch} | {
+        (k if k.startswith("tokenizer.") else f"{arch}.{k}"): v for k, v in metadata.items()
+    }
+    shape = {"token_embd.weight": (96, 64)}
+    infos = {n: TensorInfo(n, shape.get(n, (64,)), GGMLQuantizationType.F32, 0, 0) for n in tensors}
+    return GGUFHeader(Path("tiny.gguf"), md, infos)
+
+
+REQUIRED = {"block_count": 2, "context_length": 256, "embedding_length": 64, "feed_forward_length": 128}
+REQUIRED |= {"attention.head_count": 4}
+
+
+def test_gguf_config_defaults_are_llama_cpps():
+    """The five keys every file has, nothing else: the config states llama.cpp's defaults, each by hand
+    (KV heads = heads, head_dim = 64 / 4, RMSNorm eps 1e-6, RoPE base 10000, no scaling, no window),
+    the vocabulary from the embedding, tied (no output.weight), no biases, no BOS/EOS."""
+    cfg = gguf_config(header("llama", REQUIRED))
+    assert cfg == dict(
+        model_type="llama",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        sliding_window=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        attention_bias=False,
+    )
+    assert "attention_bias" not in gguf_config(header("qwen2", REQUIRED))  # qwen2's biases are always on
+
+
+def test_gguf_config_reads_every_key_it_maps():
+    """Each optional key lands in its own field: KV heads, eps, RoPE base, BOS/EOS, the vocabulary key
+    without an embedding tensor, an output.weight (untied), an o_proj bias alone (llama's attention_bias
+    covers q, k, v and o), a window (qwen: on every layer), the older linear factor key."""
+    md = REQUIRED | {
+        "attention.head_count_kv": 2,
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "rope.freq_base": 1e6,
+        "vocab_size": 80,
+        "attention.sliding_window": 32,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+    cfg = gguf_config(header("qwen2", md, ("output.weight",)))
+    assert {k: cfg[k] for k in ("num_key_value_heads", "rms_norm_eps", "rope_theta", "vocab_size")} == dict(
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=1e6, vocab_size=80
+    )
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["tie_word_embeddings"]) == (1, 2, False)
+    assert (cfg["sliding_window"], cfg["use_sliding_window"], cfg["max_window_layers"]) == (32, True, 0)
+    qwen3 = gguf_config(header("qwen3", md))
+    assert (qwen3["sliding_window"], qwen3["use_sliding_window"], qwen3["max_window_layers"]) == (32, True, 0)
+    mistral = gguf_config(header("mistral", md))
+    assert (
+        mistral["sliding_window"] == 32 and "use_sliding_window" not in mistral and "max_window_layers" not in mistral
+    )
+    for t in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        assert gguf_config(header("llama", REQUIRED, ("token_embd.weight", f"blk.0.{t}.bias")))["attention_bias"], t
+    linear = gguf_config(header("llama", REQUIRED | {"rope.scale_linear": 4.0}))
+    assert linear["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    assert "rope_scaling" not in gguf_config(header("llama", REQUIRED | {"rope.scaling.factor": 1.0}))
+    assert "rope_scaling" not in gguf_config(header("llama", REQUIRED | {"rope.scale_linear": 0.0}))  # 0: unset
+
+
+def test_gguf_config_names_what_it_refuses():
+    """An unknown architecture lists the supported ones; a missing required key, per-frequency RoPE
+    factors and a config the engine cannot run name the file and the problem."""
+    with pytest.raises(
+        UserError, match="tiny.gguf: unsupported architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3"
+    ):
+        gguf_config(header("gpt2", REQUIRED))
+    with pytest.raises(UserError, match="tiny.gguf: GGUF metadata has no llama.context_length"):
+        gguf_config(header("llama", {k: v for k, v in REQUIRED.items() if k != "context_length"}))
+    with pytest.raises(
+        UserError, match=r"tiny.gguf: per-frequency RoPE factors \(rope_freqs.weight\) are not supported"
+    ):
+        gguf_config(header("llama", REQUIRED, ("token_embd.weight", "rope_freqs.weight")))
+    with pytest.raises(UserError, match="^tiny.gguf: .*factor=0.5: expected a number >= 1"):
+        gguf_config(header("llama", REQUIRED | {"rope.scale_linear": 0.5}))  # ModelConfig refuses it
+
+
+def test_gguf_tensor_names_map_to_transformers_names_or_to_none():
+    assert hf_name("blk.11.attn_k.bias") == "model.layers.11.self_attn.k_proj.bias"
+    assert hf_name("output_norm.weight") == "model.norm.weight"
+    assert hf_name("blk.0.ssm_a.weight") is None and hf_name("rope_freqs.weight") is None
+
+
+def test_gguf_tensors_are_writable_copies_in_the_dtype_asked(tmp_path):
+    """Every tensor in the dtype asked (bf16, float32), each its own writable copy: an F32 tensor is
+    never a view of the read-only file map (torch warns about a non-writable array, once a process,
+    and the write below would fault: with the copy dropped this test dies of SIGSEGV, measured)."""
+    path = write_gguf(make_tiny("llama", tmp_path), tmp_path / "m.gguf")
+    for dt in (torch.bfloat16, torch.float32):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _, sd = load_gguf(path, dtype=dt, cache=False)
+        assert {t.dtype for t in sd.values()} == {dt}
+        sd["model.norm.weight"].add_(1)
 
 
 # --------------------------------------------------------------------- GGUF: refused in one line

@@ -90,6 +90,7 @@ def test_a_corpus_row_is_the_kl_over_the_windows_second_halves():
         nll.append(-lp[scored].gather(-1, torch.tensor(w[ctx // 2 + 1 :])[:, None])[:, 0])
     kl, nll = torch.cat(kl), torch.cat(nll)
     assert len(windows) == 3 and row["n_scored"] == 3 * (ctx - 1 - ctx // 2) == len(kl)
+    # kl_mean: float32 per-position KL of small values against float64, measured 7.3e-5 relative
     assert row["kl_mean"] > 0 and row["kl_mean"] == pytest.approx(float(kl.mean()), rel=1e-4, abs=1e-9)
-    assert row["ppl_base"] == pytest.approx(float(nll.mean().exp()), rel=1e-5)
+    assert row["ppl_base"] == pytest.approx(float(nll.mean().exp()), rel=2e-7)  # measured 2.2e-8
     assert row["kl_mean_lo"] <= row["kl_mean"] <= row["kl_mean_hi"] and row["ci_unit"] == "block of 3 positions"

@@ -13,9 +13,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_every_conf_group_is_packaged():
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    groups = {f"tileinfer.conf.{d.name}" for d in (REPO / "conf").iterdir() if d.is_dir() and d.name != "__pycache__"}
-    assert groups <= set(setuptools["packages"])
-    assert groups <= set(setuptools["package-data"])
+    folders = [d for d in (REPO / "conf").rglob("*") if d.is_dir() and d.name != "__pycache__"]
+    name = {d: ".".join(("tileinfer.conf", *d.relative_to(REPO / "conf").parts)) for d in folders}
+    assert set(name.values()) <= set(setuptools["packages"])  # e.g. tileinfer.conf.hydra.launcher and its parent
+    assert {name[d] for d in folders if any(d.glob("*.yaml"))} <= set(setuptools["package-data"])
 
 
 @pytest.fixture(scope="module")

@@ -87,6 +87,18 @@ def _config(layers, tied=False):
     )
 
 
+def test_a_missing_weight_is_named():
+    """An untied model without ``lm_head.weight`` (and a block without a projection): a UserError that
+    names the tensor, not a KeyError; a tied one quantizes its embedding instead."""
+    w = torch.randn(8, 4)
+    with pytest.raises(UserError, match="checkpoint has no tensor 'lm_head.weight'"):
+        quantize_weights({"model.embed_tokens.weight": w}, _config(0))
+    with pytest.raises(UserError, match="no tensor 'model.layers.0.self_attn.q_proj.weight'"):
+        quantize_weights({"lm_head.weight": w}, _config(1))
+    out, names = quantize_weights({"model.embed_tokens.weight": w}, _config(0, tied=True))
+    assert names == ["lm_head.weight"] and torch.equal(out["lm_head.weight"], reference.quantize_int8(w)[0])
+
+
 def logits_of(model, ids, kv_int8=False):
     """Logits of every position of ``ids``, prefilled in chunks of 32 over pages of 16."""
     runner = ModelRunner(model, kv_int8=kv_int8, max_seq_len=128, page_size=16, prefill_chunk=32)

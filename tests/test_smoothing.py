@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quantize import QuantScheme, apply
-from quantize.smoothing import K_SMOOTH, key_absmax, key_score_error, smoothing_scales
+from quantize.smoothing import K_SMOOTH, fold_key_scales, key_absmax, key_score_error, smoothing_scales
 from tests.tiny_models import make_tiny
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
@@ -106,21 +106,38 @@ def test_smoothing_scales_formula():
     assert torch.isfinite(smoothing_scales(torch.zeros(2, 8))).all()
 
 
-def test_calibration_records_pre_rope_keys(tiny):
-    """key_absmax against transformers: the output of k_proj (bias included), or of k_norm for Qwen3."""
+def test_smoothing_scales_are_per_head():
+    """The floor (2^-20 of the largest) and the geometric-mean normalisation are each head's own, on
+    [layers, kv_heads, d] maxima; by hand with alpha 1 (pair maxima of d = 4, log2 then minus its mean):
+    head 0 [1, 4] -> log2 [0, 2] -> [-1, 1]; head 1 [2^10, 2^14] -> [-2, 2]; head 2 [2^-30, 1], floored to
+    [2^-20, 1] -> [-10, 10]. Catches a floor or mean taken over all heads or along the head axis."""
+    absmax = torch.tensor([[[1.0, 4.0, 0.5, 0.0], [2.0**10, 2.0**14, 0.0, 2.0**13], [2.0**-30, 1.0, 0.0, 0.5]]])
+    want = torch.exp2(torch.tensor([[[-1.0, 1.0], [-2.0, 2.0], [-10.0, 10.0]]]))
+    assert torch.equal(smoothing_scales(absmax, alpha=1.0), torch.cat([want, want], dim=-1))
+
+
+@pytest.mark.parametrize("n", [100, 300])
+def test_calibration_records_pre_rope_keys(tiny, n):
+    """key_absmax against transformers: the output of k_proj (bias included), or of k_norm for Qwen3.
+    300 tokens exceed the tiny models' 256-position context: they run as two sequences (256 and 44
+    tokens, each from position 0), and the maxima are over both (not the last sequence's)."""
     hf, config, sd, _, _ = tiny
     hf.load_state_dict(sd)
-    ids = torch.randint(0, config.vocab_size, (100,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(1))
     seen = []
     for layer in hf.model.layers:
         module = layer.self_attn.k_norm if config.qk_norm else layer.self_attn.k_proj
         module.register_forward_hook(lambda mod, inp, out: seen.append(out.detach()))
+    ctx = config.max_position_embeddings
     with torch.no_grad():
-        hf(ids[None])
+        for start in range(0, n, ctx):
+            hf(ids[None, start : start + ctx])
+    per_layer = [seen[i :: config.num_hidden_layers] for i in range(config.num_hidden_layers)]
     expected = torch.stack(
-        [k.reshape(len(ids), config.num_key_value_heads, config.head_dim).abs().amax(0) for k in seen]
+        [torch.cat(ks, dim=1).reshape(n, config.num_key_value_heads, config.head_dim).abs().amax(0) for ks in per_layer]
     )
     got = key_absmax(sd, config, ids.tolist(), dtype=torch.float32)
+    # float32 both ways, summed in other orders: measured 5.7e-6 absolute on keys up to ~10
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -137,7 +154,7 @@ def test_scores_and_logits_unchanged_bitwise(tiny, dtype):
 
 
 def test_scales_fold_into_qk_norms_or_projections(tiny):
-    _, config, sd, smoothed, _ = tiny
+    _, config, sd, smoothed, info = tiny
     a = "model.layers.0.self_attn."
     if config.qk_norm:  # shared norm weights become per head; projections untouched
         assert smoothed[a + "q_norm.weight"].shape == (config.num_attention_heads, config.head_dim)
@@ -148,6 +165,44 @@ def test_scales_fold_into_qk_norms_or_projections(tiny):
         assert a + "q_norm.weight" not in smoothed
         assert not torch.equal(smoothed[a + "k_proj.weight"], sd[a + "k_proj.weight"])
         assert not torch.equal(smoothed[a + "q_proj.weight"], sd[a + "q_proj.weight"])
+    # folded tensors keep their dtype (a BF16 checkpoint stays BF16; power-of-two scales are exact in it)
+    bf16 = {n: t.bfloat16() for n, t in sd.items()}
+    folded = fold_key_scales(bf16, config, info["key_scales"])
+    assert {n: t.dtype for n, t in folded.items() if n in sd} == dict.fromkeys(sd, torch.bfloat16)
+
+
+def test_key_score_error_equals_a_direct_computation(tiny):
+    """key_score_error (what the next test compares) against the scores computed here from one
+    prefill's rotated queries and cached keys: sqrt(sum (S8 - S)^2 / sum S^2) over the causal scores
+    of every layer and query head, S8 with the keys INT8-quantized per vector as the cache stores them.
+    Catches a missing causal mask, sums not pooled over layers and heads, a missing square root.
+    The scores are the same float32 products both ways, summed in float64 in other orders: measured
+    agreement 2e-16 relative (2026-12-01); bound 1e-12."""
+    _, config, sd, _, _ = tiny
+    model = Transformer.from_state_dict(config, sd)
+    ids = torch.randint(0, config.vocab_size, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    _, queries, keys = run(model, ids)
+    causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
+    err = ref = 0.0
+    for q, k in zip(queries, keys):
+        kq, ks = reference.quantize_int8(k)
+        s, s8 = scores(q, k)[:, causal].double(), scores(q, kq.float() * ks[..., None])[:, causal].double()
+        err += float(((s8 - s) ** 2).sum())
+        ref += float((s**2).sum())
+    assert key_score_error(model, ids) == pytest.approx((err / ref) ** 0.5, rel=1e-12)
+
+
+def test_calibration_and_folding_refuse_what_they_cannot_do(tiny):
+    """No calibration tokens, a weight already INT8 (smoothing must come first) and a missing tensor
+    are UserErrors that say so and name the tensor."""
+    _, config, sd, _, info = tiny
+    name = "model.layers.0.self_attn." + ("k_norm.weight" if config.qk_norm else "k_proj.weight")
+    with pytest.raises(UserError, match="the calibration text encodes to no tokens"):
+        key_absmax(sd, config, [])
+    with pytest.raises(UserError, match="key smoothing must be folded before the weights are quantized to int8"):
+        fold_key_scales(sd | {name: sd[name].to(torch.int8)}, config, info["key_scales"])
+    with pytest.raises(UserError, match=f"checkpoint has no tensor '{name}'"):
+        fold_key_scales({n: t for n, t in sd.items() if n != name}, config, info["key_scales"])
 
 
 def test_int8_cache_key_error_reduced(tiny):

@@ -32,6 +32,7 @@ NORMS = "tileinfer/ops/triton/norms.py"
 SMOOTH = "quantize/smoothing.py"
 METRICS = "evals/metrics.py"
 RUNNER = "tileinfer/engine/runner.py"
+GATE = "tileinfer/gate.py"
 
 T_GGUF = ("tests/test_gguf_permute.py",)
 T_LOGITS = ("tests/test_model_vs_transformers.py",)
@@ -40,6 +41,8 @@ T_SAMP = ("tests/ops/test_sampling.py",)
 T_NORMS = ("tests/ops/test_norms.py::test_rms_norm_where_eps_matters",)
 T_SMOOTH = ("tests/test_smoothing.py",)
 T_METRICS = ("tests/test_metrics_exact.py",)
+T_PROBS = ("tests/ops/test_sampling.py::test_reference_sampling_probs_by_hand",)
+T_GATE = ("tests/test_gate_decisions.py",)
 T_KV = ("tests/test_kv_cache.py", "tests/ops/test_attention.py::test_reference_paged_attention_equals_dense")
 
 MUTANTS: list[Mutant] = [
@@ -178,6 +181,34 @@ MUTANTS: list[Mutant] = [
         "return torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), 1, generator=generator)",
         "return sampling_probs(logits, temperature, top_k, top_p).argmax(-1, keepdim=True)",
         ("tests/ops/test_sampling.py::test_reference_sampler_passes_chi_square",),
+    ),
+    Mutant(
+        "ref-sampler-top-k-one-ignored",
+        REF,
+        "if 0 < top_k < logits.shape[-1]:",
+        "if 1 < top_k < logits.shape[-1]:",
+        T_PROBS,
+    ),
+    Mutant(
+        "ref-sampler-top-k-drops-kth",
+        REF,
+        'logits = logits.masked_fill(logits < kth, float("-inf"))',
+        'logits = logits.masked_fill(logits <= kth, float("-inf"))',
+        T_PROBS,
+    ),
+    Mutant(
+        "ref-sampler-top-p-mass-strict",
+        REF,
+        "drop = cum - sorted_logits.softmax(-1) >= top_p",
+        "drop = cum - sorted_logits.softmax(-1) > top_p",
+        T_PROBS,
+    ),
+    Mutant(
+        "ref-sampler-temperature-floor",
+        REF,
+        "logits = logits.float() / max(temperature, 1e-6)\n    if 0 < top_k",
+        "logits = logits.float() / max(temperature, 1e-5)\n    if 0 < top_k",
+        T_PROBS,
     ),
     # --- Triton kernels in the interpreter
     Mutant(
@@ -371,6 +402,168 @@ MUTANTS: list[Mutant] = [
         '"rms_dp": float(np.mean(np.abs(dp))),',
         T_METRICS,
     ),
+    Mutant(
+        "metrics-p99-at-p90",
+        METRICS,
+        '"kl_p99": percentile(kl, 0.99),',
+        '"kl_p99": percentile(kl, 0.90),',
+        T_METRICS,
+    ),
+    Mutant(
+        "metrics-max-as-last",
+        METRICS,
+        '"kl_max": float(kl.max()),',
+        '"kl_max": float(kl[-1]),',
+        T_METRICS,
+    ),
+    # --- the gate's decisions (boundaries: values exactly on each bound, each bound's own number)
+    Mutant(
+        "gate-pass-strict",
+        GATE,
+        "PASS if value <= bound else NOISE",
+        "PASS if value < bound else NOISE",
+        T_GATE,
+    ),
+    Mutant(
+        "gate-pass-strict-top1",
+        GATE,
+        "PASS if value >= bound else NOISE",
+        "PASS if value > bound else NOISE",
+        T_GATE,
+    ),
+    Mutant(
+        "gate-fail-inclusive",
+        GATE,
+        "return FAIL if lo > bound else",
+        "return FAIL if lo >= bound else",
+        T_GATE,
+    ),
+    Mutant(
+        "gate-fail-inclusive-top1",
+        GATE,
+        "return FAIL if hi < bound else",
+        "return FAIL if hi <= bound else",
+        T_GATE,
+    ),
+    Mutant(
+        "gate-fail-on-far-end",
+        GATE,
+        "return FAIL if lo > bound else",
+        "return FAIL if hi > bound else",
+        T_GATE,
+    ),
+    Mutant(
+        "gate-fail-on-far-end-top1",
+        GATE,
+        "return FAIL if hi < bound else",
+        "return FAIL if lo < bound else",
+        T_GATE,
+    ),
+    Mutant(
+        "gate-interval-ends-swapped",
+        GATE,
+        "if lo is None or hi is None else (lo, hi)",
+        "if lo is None or hi is None else (hi, lo)",
+        T_GATE,
+    ),
+    Mutant(
+        "gate-interval-half-present",
+        GATE,
+        "if lo is None or hi is None else (lo, hi)",
+        "if lo is None and hi is None else (lo, hi)",
+        T_GATE,
+    ),
+    Mutant(
+        "gate-verdict-point-estimate-only",
+        GATE,
+        "    lo, hi = interval(row, metric)\n",
+        "    lo, hi = row[metric], row[metric]\n",
+        T_GATE,
+    ),
+    Mutant(
+        "gate-p999-strict",
+        GATE,
+        '(row.get("n_scored") or 0) >= gate["p999_min_positions"]',
+        '(row.get("n_scored") or 0) > gate["p999_min_positions"]',
+        T_GATE,
+    ),
+    Mutant(
+        "gate-p999-off-by-one",
+        GATE,
+        '(row.get("n_scored") or 0) >= gate["p999_min_positions"]',
+        '(row.get("n_scored") or 0) + 1 >= gate["p999_min_positions"]',
+        T_GATE,
+    ),
+    Mutant(
+        "gate-p999-skips-mean-too",
+        GATE,
+        'verdict=None if m == "kl_mean" or p999_checked(row, gate) else SKIP',
+        "verdict=None if p999_checked(row, gate) else SKIP",
+        T_GATE,
+    ),
+    Mutant(
+        "gate-baseline-p999-mean-floor",
+        GATE,
+        'gate["floor"][m] + extra.get(m, 0.0)',
+        'gate["floor"]["kl_mean"] + extra.get(m, 0.0)',
+        T_GATE,
+    ),
+    Mutant(
+        "gate-baseline-increase-on-floor",
+        GATE,
+        'base[m] * (1 + gate["max_increase"]) + gate["floor"][m]',
+        '(base[m] + gate["floor"][m]) * (1 + gate["max_increase"])',
+        T_GATE,
+    ),
+    Mutant(
+        "gate-baseline-top1-no-margin",
+        GATE,
+        'base["top1_agree"] - gate["max_top1_drop"] - extra.get("top1_agree", 0.0)',
+        'base["top1_agree"] - gate["max_top1_drop"]',
+        T_GATE,
+    ),
+    Mutant(
+        "gate-fallback-top1-margin-not-complemented",
+        GATE,
+        '"top1_agree": 1 - b["top1_agree"]}',
+        '"top1_agree": b["top1_agree"]}',
+        T_GATE,
+    ),
+    Mutant(
+        "gate-fallback-p999-margin-mean",
+        GATE,
+        '{"kl_mean": b["kl_mean"], "kl_p999": b["kl_p999"],',
+        '{"kl_mean": b["kl_mean"], "kl_p999": b["kl_mean"],',
+        T_GATE,
+    ),
+    Mutant(
+        "gate-kernel-p999-mean-bound",
+        GATE,
+        '_verdict("kernel", row, "kl_p999", None, b["kl_p999"]',
+        '_verdict("kernel", row, "kl_p999", None, b["kl_mean"]',
+        T_GATE,
+    ),
+    Mutant(
+        "gate-kernel-top1-lower-is-better",
+        GATE,
+        '_verdict("kernel", row, "top1_agree", None, b["top1_agree"], higher_is_better=True)',
+        '_verdict("kernel", row, "top1_agree", None, b["top1_agree"])',
+        T_GATE,
+    ),
+    Mutant(
+        "gate-setup-ignores-int8-cache",
+        GATE,
+        '("-int8kv" if row["kv_cache"] == "int8" else "")',
+        '("-int8kv" if row["kv_cache"] == "int8kv" else "")',
+        T_GATE,
+    ),
+    Mutant(
+        "gate-spec-tie-margin-narrowest",
+        "tileinfer/jobs/schema.py",
+        "margins.get(dtype, max(margins.values()))",
+        "margins.get(dtype, min(margins.values()))",
+        T_GATE,
+    ),
     # --- the runner's chunking
     Mutant(
         "runner-logits-from-off-by-one",
@@ -384,6 +577,20 @@ MUTANTS: list[Mutant] = [
         RUNNER,
         "rows, row_pos = slice(skip, None), first + skip",
         "rows, row_pos = slice(skip, None), first",
+        ("tests/test_runner_chunks.py",),
+    ),
+    Mutant(
+        "runner-context-limit-strict",
+        RUNNER,
+        "        if end > self.max_seq_len:\n",
+        "        if end >= self.max_seq_len:\n",
+        ("tests/test_runner_chunks.py",),
+    ),
+    Mutant(
+        "runner-window-limit-strict",
+        RUNNER,
+        "if window and end > window:",
+        "if window and end >= window:",
         ("tests/test_runner_chunks.py",),
     ),
 ]

@@ -86,6 +86,12 @@ def check_kv_write(out, ref, bt: torch.Tensor, pos: torch.Tensor, dt) -> None:
         return
     gks, wks = out.k_scale[0][pages, :, slots], ref.k_scale[0][pages, :, slots]
     gvs, wvs = out.v_scale[0][pages, :, slots], ref.v_scale[0][pages, :, slots]
+    # Wide on purpose: these also hold the GPU targets, whose rotated key may differ from the
+    # reference's in the last bf16 bit (float32 rotation in another order), which moves its scale by
+    # up to a bf16 step (2**-8) and flips codes by one; the exact quantization is pinned bitwise by
+    # test_int8_kv_write_quantizes_bitwise_like_the_reference. In the interpreter (2026-12-01) every
+    # code and v scale is equal, k scales and dequantized keys differ by 7e-8 (relative in norm) and
+    # by at most 3e-5 of a step.
     # v goes in unchanged: scales equal to float32 rounding, codes up to a rare one-step flip where
     # x / scale lands within an ulp of a .5 tie
     close(gvs, wvs, 1e-6, "v scale")
@@ -204,6 +210,7 @@ def test_reference_int8_round_trip_error_is_within_half_a_scale():
     q, s = R.quantize_int8(x)
     assert q.dtype == torch.int8 and q.abs().max() <= 127
     err = (q.float() * s[..., None] - x).abs()
-    assert (err <= s[..., None] / 2 + 1e-6 * x.abs()).all()
+    # half a step, up to the float32 rounding of x / s and q * s: 2 ulps of |x| (measured 4.2e-8 |x|)
+    assert (err <= s[..., None] / 2 + 2 * torch.finfo(torch.float32).eps * x.abs()).all()
     z, zs = R.quantize_int8(torch.zeros(3, 5))
     assert (z == 0).all() and (zs == 0).all()
