@@ -543,8 +543,8 @@ def run(cfg: Config, force: bool = False, cpu_workers: int | None = 1) -> list[P
     if job.device_workers != 1:
         print(
             f"warning: {job.device_workers or 'an unknown number of'} workers share this "
-            f"{job.loaded.device.type.upper()}: the speed columns of these rows are timed against each other "
-            "(device_workers says so)",
+            f"{'GPU' if job.loaded.device.type == 'cuda' else 'CPU'}: the speed columns of these rows are timed "
+            "against each other (device_workers says so)",
             file=sys.stderr,
         )
     keys = {s: job.identity(s) for s in job.prompts}  # once: the file name and the row hold the same key
