@@ -270,22 +270,15 @@ def test_two_slots_on_one_gpu_know_they_share_it(tmp_path):
         for p in (a, b):
             if p is not None:
                 p.communicate("")
-    c = subprocess.run(
-        [sys.executable, "-c", "from tileinfer.core import gpu_slots; print(gpu_slots.claim().workers)"],
-        env=env(tmp_path, TILEINFER_GPUS="0,1"),
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert c.stdout.split() == ["1"]
-    d = subprocess.run(
-        [sys.executable, "-c", "from tileinfer.core import gpu_slots; print(gpu_slots.claim().workers)"],
-        env=env(tmp_path, TILEINFER_GPUS="0,0"),
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert d.stdout.split() == ["2"]
+    for pool, workers in (("0,1", "1"), ("0,0", "2")):
+        c = subprocess.run(
+            [sys.executable, "-c", "from tileinfer.core import gpu_slots; print(gpu_slots.claim().workers)"],
+            env=env(tmp_path, TILEINFER_GPUS=pool),
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
+        assert c.stdout.split() == [workers], (pool, c.stderr)
 
 
 @pytest.mark.parametrize(
