@@ -195,7 +195,7 @@ FALLBACK_CASES = {
     "lm_head-strided-weight": (_matmul("lm_head", w_t=True), {"triton": "weight rows not contiguous"}),
     "linear-strided-bias": (_matmul("linear", bias_step=2), {"triton": "bias not contiguous"}),
     "linear-int8-gemv-odd-k": (
-        _matmul("linear", x_shape=(1, 6), w_shape=(8200, 6), int8=True),
+        _matmul("linear", x_shape=(1, 6), w_shape=(32800, 6), int8=True),
         {"triton": "INT8 weight not contiguous in whole int32 words"},
     ),
     "linear-int8-prefill-strided": (

@@ -106,6 +106,7 @@ TRITON_SMALL_VARIANTS = {
         "gemv1_int8": (4, 64, 4, 2, 2),
     },
     "gemv_dot": {"gemv1_bf16": (16, 32, 4, 2, 3), "gemv1_int8": (16, 32, 4, 2, 3)},
+    "gemv_unit": {"gemv1_int8": (4, 64, 4, 1, 4)},
 }
 TRITON_VARIANTS = {
     "ptr": {"gemm_bf16": (128, 128, 64, 8, 8, 3, "ptr"), "gemm_int8": (128, 128, 64, 8, 8, 3, "ptr")},
@@ -120,6 +121,8 @@ TRITON_VARIANTS = {
         "gemv1_int8": (16, 512, 4, 1, 1),
     },
     "gemv_dot": {"gemv1_bf16": (32, 256, 4, 4, 3), "gemv1_int8": (32, 256, 4, 4, 3)},
+    "gemv_unit": {"gemv1_int8": (8, 1024, 4, 1, 4)},
+    "gemv_pipelined": {"gemv1_bf16": (8, 512, 4, 3), "gemv1_int8": (8, 1024, 4, 3, 4)},
 }
 
 

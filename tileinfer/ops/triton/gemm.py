@@ -5,8 +5,11 @@ the epilogue), with bias, SwiGLU and float32-logit epilogues.
 * Decode (1 row) is memory-bound - each weight byte is read once per step (TileInfer.jl's M4/M8
   lesson): ``_gemv_kernel`` streams the weight in [BLOCK_N, BLOCK_K] tiles, one float32 FMA per
   weight into a register tile reduced once at the end; many small programs keep enough bytes in
-  flight. INT8 weights are widened without I2F (a quarter-rate instruction that would cap the
-  kernel below the roofline): sign extension or int32 words plus the 2^23 magic number.
+  flight, and a cp.async ring (Triton's pipeliner) keeps the weight loads going during the FMAs.
+  INT8 weights are widened without I2F (a quarter-rate instruction that would cap the kernel below
+  the roofline): by default one PRMT a weight into biased floats whose bias is removed once per
+  output (``i8_to_unit_f32``); exact variants (sign extension or int32 words plus the 2^23 magic
+  number) for float32 outputs.
 * Verify (2..16 rows): the same kernel with rows padded to 16 and ``tl.dot`` (below 16 rows the
   tensor cores go unused - the Julia engine's 8-vs-16-row lesson), cp.async-pipelined.
 * Prefill: ``_gemm_tma_kernel``, a persistent GEMM fed by TMA descriptors (Triton tutorial 09), or
@@ -39,6 +42,7 @@ from tileinfer.ops.triton._common import (
     cdiv,
     dot_dtype,
     dot_precision,
+    i8_to_unit_f32,
     i8x4_byte_to_f32,
     pdl_launch,
     pdl_prologue,
@@ -129,12 +133,14 @@ def _row_tile(w_rows, k0, K, KW: tl.constexpr, W_INT8: tl.constexpr, EVEN_K: tl.
 
 
 @triton.jit
-def _row_fma(acc, wv, x_ptr, k0, K, KW: tl.constexpr, W_INT8: tl.constexpr):
+def _row_fma(acc, xs, wv, x_ptr, k0, K, KW: tl.constexpr, W_INT8: tl.constexpr):
     """acc[n, j] += w[n, k0 + j] * x[k0 + j] in float32.
 
     W_INT8 == 1: int8 weights sign-extended and widened with the 2^23 magic number (4 full-rate
     instructions a weight with the FMA; I2F runs at a quarter of that). W_INT8 == 2: int32
-    words, byte i of word j is weight 4j + i, widened with ``i8x4_byte_to_f32``.
+    words, byte i of word j is weight 4j + i, widened with ``i8x4_byte_to_f32``. W_INT8 == 4: int8
+    weights as ``i8_to_unit_f32`` biased floats (about 2.25 instructions a weight with the FMA);
+    ``xs`` sums x so that the caller can remove the bias once per output.
     """
     if W_INT8 == 2:
         kw = k0 // 4 + tl.arange(0, KW)
@@ -148,10 +154,13 @@ def _row_fma(acc, wv, x_ptr, k0, K, KW: tl.constexpr, W_INT8: tl.constexpr):
         if W_INT8 == 1:
             # sign-extend, add into the mantissa of 2^23 + 128, subtract: exact, no I2F
             wf = (wv.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        elif W_INT8 == 4:
+            wf = i8_to_unit_f32(wv)
+            xs += xv
         else:
             wf = wv.to(tl.float32)
         acc += wf * xv[None, :]
-    return acc
+    return acc, xs
 
 
 @triton.jit(do_not_specialize=["T"])  # row count: masks handle any value
@@ -178,17 +187,17 @@ def _gemv_kernel(
     ROUND: tl.constexpr,
     DOT_T: tl.constexpr,
     PREC: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PIPE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """out[t, n] = sum_k x[t, k] * w[n, k] for T <= 16 rows.
 
     BLOCK_T == 1: float32 products accumulated elementwise in a [BLOCK_N, BLOCK_K(/4)] register
-    tile (no tensor cores; one FMA per weight), reduced once at the end. Triton does not
-    software-pipeline loads that feed no dot, so PREFETCH loads the next tile before the FMAs of
-    this one (two tiles in flight per program). W_INT8 (0 bf16, 1 int8, 2 int8 read as int32 words
-    [N, K / 4]): see ``_row_fma``. BLOCK_T == 16: rows padded to 16, ``tl.dot`` (cp.async-pipelined
-    by num_stages); with INT8 the int8 weight itself, converted to bf16 in registers.
+    tile (no tensor cores; one FMA per weight), reduced once at the end; with PIPE >= 2 the weight
+    tiles stream through a shared-memory ring, PIPE deep. W_INT8 (0 bf16, 1 int8, 2 int8 read as
+    int32 words [N, K / 4], 4 int8 as biased floats): see ``_row_fma``. BLOCK_T == 16: rows padded
+    to 16, ``tl.dot`` (cp.async-pipelined by num_stages); with INT8 the int8 weight itself,
+    converted to bf16 in registers.
     """
     pdl_prologue(PDL)
     pid = tl.program_id(0)
@@ -198,19 +207,17 @@ def _gemv_kernel(
     if BLOCK_T == 1:
         KW: tl.constexpr = BLOCK_K // 4 if W_INT8 == 2 else BLOCK_K
         acc = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
-        if PREFETCH:
-            last = ((K - 1) // BLOCK_K) * BLOCK_K
-            wv = _row_tile(w_rows, 0, K, KW, W_INT8, EVEN_K)
-            for k0 in range(0, K, BLOCK_K):
-                # the last iteration re-reads the last tile (an L1/L2 hit) instead of branching
-                nxt = _row_tile(w_rows, tl.minimum(k0 + BLOCK_K, last), K, KW, W_INT8, EVEN_K)
-                acc = _row_fma(acc, wv, x_ptr, k0, K, KW, W_INT8)
-                wv = nxt
-        else:
-            for k0 in range(0, K, BLOCK_K):
-                wv = _row_tile(w_rows, k0, K, KW, W_INT8, EVEN_K)
-                acc = _row_fma(acc, wv, x_ptr, k0, K, KW, W_INT8)
-        y = tl.sum(acc, axis=1)[None, :]
+        xs = tl.zeros((KW,), dtype=tl.float32)  # sum of x, for W_INT8 == 4 only
+        # PIPE > 1: Triton's software pipeliner streams the weight tiles through a PIPE-deep
+        # shared-memory ring (cp.async), so loads stay in flight while the FMAs run
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=PIPE):
+            wv = _row_tile(w_rows, k0, K, KW, W_INT8, EVEN_K)
+            acc, xs = _row_fma(acc, xs, wv, x_ptr, k0, K, KW, W_INT8)
+        y = tl.sum(acc, axis=1)
+        if W_INT8 == 4:
+            # sum_k (1 + (w_k + 128) 2^-15) x_k -> sum_k w_k x_k (the bias of i8_to_unit_f32)
+            y = (y - 1.00390625 * tl.sum(xs, axis=0)) * 32768.0
+        y = y[None, :]
     else:
         x_rows = x_ptr + offs_t[:, None] * stride_xt
         t_ok = (offs_t < T)[:, None]
@@ -374,20 +381,26 @@ def _gemm_tma_kernel(
 
 # ---------------------------------------------------------------------------- tile tables
 
-# GEMV, one row: (BLOCK_N, BLOCK_K, num_warps, prefetch 1|2[, mode]); mode 1|2 is the INT8 row
-# path's weight read (int8, int32 words), GEMV_DOT the 16-row tensor-core path with the row padded
-# (num_warps and num_stages then as for 16 rows; converts int8 with Triton's cast, no FMA a weight). Small BLOCK_N gives
-# many programs (a 2560-row weight must still spread over 132 SMs); BLOCK_K sets the bytes each
-# program loads at once. H200 sweep (benchmarks/NOTES.md): 4-row tiles win up to ~4k rows, 8-row tiles above;
-# prefetching the next tile in registers did not help (occupancy already hides the latency).
-# Each table: (most weight rows, config), the first that fits wins (None: any size).
+# GEMV, one row: (BLOCK_N, BLOCK_K, num_warps, stages[, mode]). stages >= 2 pipelines the weight
+# tiles through shared memory (cp.async, ``PIPE``). mode: the INT8 row path's conversion (1 int8
+# sign-extended, 2 int32 words, GEMV_UNIT biased floats), or GEMV_DOT, the 16-row tensor-core path
+# with the row padded (num_warps and stages then as for 16 rows). Small BLOCK_N gives many programs
+# (a 2560-row weight must still spread over 132 SMs); BLOCK_K sets the bytes each program loads at
+# once. Each table: (most weight rows, config), the first that fits wins (None: any size).
 GEMV_DOT = 3
+GEMV_UNIT = 4
+# BF16: 4-row tiles up to ~4k rows, 8-row tiles above (H200 sweeps, benchmarks/NOTES.md); the
+# pipelined variants won some shapes alone but not the 4B model (h200-2026-12-01-gemv-pipeline.md).
 GEMV1_BF16 = [(4096, (4, 1024, 4, 1)), (None, (8, 512, 4, 1))]
-# INT8: sign-extended int8 tiles, 4 x 1024 up to 4k rows and 8 x 512 up to 8k (more programs: the
-# small INT8 GEMVs are latency-bound at 15-18% achieved occupancy, ncu), int32 words 16 x 512 above
-# (H200 sweeps: 4B o 6.4 -> 6.1 us, down 12.0 -> 11.0, qkv 8.6 -> 7.8; lm_head 145.6 -> 96.6,
-# gate_up 21.9 -> 17.8 with int32 words).
-GEMV1_INT8 = [(4096, (4, 1024, 4, 1, 1)), (8192, (8, 512, 4, 1, 1)), (None, (16, 512, 4, 1, 2))]
+# INT8: GEMV_UNIT, pipelined, at every size but the lm_head's (its float32 logits need the exact
+# conversion: int32 words). Whole-model decode with these tiles against the earlier sign-extended /
+# int32-word table, same run: 4B +10% at 1k, +5% at 32k; 8B +6% (h200-2026-12-01-gemv-pipeline.md).
+GEMV1_INT8 = [
+    (4096, (4, 1024, 4, 3, GEMV_UNIT)),
+    (8192, (8, 512, 4, 4, GEMV_UNIT)),
+    (32768, (16, 512, 4, 3, GEMV_UNIT)),
+    (None, (16, 512, 4, 3, 2)),
+]
 # GEMV, 2..16 rows (tl.dot, rows padded to 16): few programs, so deep software pipelining;
 # 32-row tiles won every shape of the sweep (17-21 us geomean against 25 for 16-row tiles).
 GEMV16_BF16 = (32, 256, 4, 4)
@@ -551,9 +564,11 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
         row_mode = cfg[4] if T == 1 and len(cfg) > 4 else None
         dot = T > 1 or row_mode == GEMV_DOT
         mode = row_mode if not dot and int8 and row_mode is not None else int(int8)
-        prefetch = not dot and stages >= 2
+        if mode == GEMV_UNIT and torch.float32 in (x.dtype, out_dtype):
+            mode = 1  # float32 activations or logits keep the exact conversion (GEMV_UNIT is ~5e-5 off)
+        pipe = 1 if dot else stages  # the row path pipelines its loop itself (PIPE)
         if not dot:
-            stages = 1  # the row path has no dot for Triton's pipeliner to pipeline
+            stages = 1
         if mode == 2:  # this INT8 GEMV reads the weight as int32 words
             if K % 4 or not wq.is_contiguous():
                 return _reference(op, "INT8 weight not contiguous in whole int32 words", x, w, bias)
@@ -584,7 +599,7 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
             ROUND=round_,
             DOT_T=dot_t,
             PREC=prec,
-            PREFETCH=prefetch,
+            PIPE=pipe,
             num_warps=warps,
             num_stages=stages,
             **pdl_launch(x),
