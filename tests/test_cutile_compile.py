@@ -43,6 +43,8 @@ def test_variants_cover_every_kernel():
         "qk_norm_rope_kv_kernel",
         "gemv_kernel",
         "gemv_swiglu_kernel",
+        "gemv_int8_unit_kernel",
+        "gemv_swiglu_int8_unit_kernel",
         "gemv_partial_kernel",
         "gemv_reduce_kernel",
         "gemm_kernel",

@@ -16,6 +16,10 @@ tensor cores (TileInfer.jl measured 8x slower products below 16 rows: the small-
 spills). When the output is too narrow to give about one block per SM, the reduction axis is
 split (split-K) into a float32 workspace that a second small kernel sums and finishes. The
 skinny kernels start streaming their first weight tile before the PDL wait (see _common.py).
+
+Decode (T == 1) with an INT8 weight and bf16/fp16 activations takes neither path: a float32 FMA
+GEMV over int32 words of the weight whose bytes become floats by bit operations
+(:func:`gemv_int8_unit_kernel`, :func:`gemv_swiglu_int8_unit_kernel`): no bf16 conversion, no mma.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ MAX_SPLIT = 16
 MIN_K_TILES = 2  # each split reduces at least this many K tiles
 MIN_BLOCKS = 90  # split K until the grid has ~2/3 of the H200's 132 SMs busy (measured)
 PLAN_OVERRIDE: dict = {}  # bench: force TN / TK / S
+INT8_UNIT = True  # T == 1 INT8 linear/swiglu through the unit-float FMA GEMV (bench toggles it)
+UNIT_TN = 16  # output channels per unit-float GEMV block (H200 A/B: 16 beat 8 by 11-15% whole-model)
+UNIT_TKW = 256  # int32 words (4 weights each) per unit-float GEMV tile: a first guess, to be swept on the H200
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -216,6 +223,127 @@ def gemv_reduce_kernel(
     ct.store(out, (0, j), ct.astype(y, out.dtype))
 
 
+# ------------------------------------------------------------- INT8 decode GEMV (unit floats)
+#
+# T == 1, INT8 weight, bf16/fp16 activations and output; no tensor cores and no bf16 conversion.
+# The weight is read as int32 words (int8 [N, K] viewed as int32 [N, K / 4]: byte i of word j is
+# weight 4j + i, little-endian); the activations as one contiguous [1, 4 * TKW] load per tile,
+# regrouped in registers to [4, TKW] so that row i holds x[4j + i], the multiplier of byte i of
+# word column j. Each weight w becomes a float32 by bit operations only:
+#
+#   u = (w & 0xFF) ^ 0x80                       the signed byte plus 128 (0..255)
+#   f = bitcast_f32(0x3F800000 | (u << 8))      = 1 + u * 2^-15 exactly
+#
+# and ``acc[n, j] += f * x[4j + i]`` in float32 over the K tiles, with ``xs`` summing x. Since
+# ``sum_k f_k x_k = (1 + 2^-8) sum_k x_k + 2^-15 sum_k w_k x_k``, the dot product is
+# ``(sum_j acc[n, j] - 1.00390625 * sum x) * 32768``: the bias comes off once per output, not once
+# per weight. The byte-into-a-magic-exponent conversion is FasterTransformer's (PRMT into
+# 0x4B000000 then one subtraction per weight, ``FastInterleavedAndBiasedNumericArrayConverter``);
+# the subtraction moved out of the loop is the Triton backend's ``i8_to_unit_f32``. The price:
+# each product carries the bias, so a weight's part keeps ~15 of its 24 bits (relative error
+# ~5e-5 of the row's largest output), negligible against bf16/fp16 rounding but not float32's:
+# float32 activations and float32 logits (lm_head) keep the exact mma path.
+#
+# SASS (sm_90, UNIT_TN = 8, UNIT_TKW = 256): per weight in the loop one FFMA, one LOP3
+# (``(u & 0xFF00) ^ 0x3F808000``), 3/4 of a shift, no I2F/F2F/PRMT; besides, 0.3-0.5 IMAD.MOV
+# (ptxas re-materializing the 0xFF00 mask) and x's unpack and sum: ~4.2 instructions a weight in
+# all for linear, ~3.6 for swiglu (its [2 * TN, TKW] tile shares each x value among more rows),
+# against ~6.1 and ~6.8 for the mma kernels' int8 tiles. cuTile 1.7 has no inline PTX, so the
+# Triton kernel's one-PRMT-a-weight conversion is out of reach.
+
+
+def _unit_fma(acc, wt, xt):
+    """acc [R, TKW] += sum_i f(byte i of wt) * x_i, for wt int32 words [R, TKW] and xt float32
+    [4, TKW] (row i: the multipliers of byte i).
+
+    Byte i moved to bits 8-15 and XOR-ed with 0x3F808000 is the bit pattern of ``1 + (b + 128) *
+    2^-15``: the 0x80 flips the byte's sign bit (b + 128 as unsigned), the rest sets the exponent
+    of 1.0 (disjoint bits, so XOR is OR there). One shift (none for byte 1) and one LOP3 a weight;
+    the arithmetic shifts' sign bits fall outside the mask.
+    """
+    for i in ct.static_iter(range(4)):
+        if i == 0:
+            u = wt << 8
+        elif i == 1:
+            u = wt
+        else:
+            u = wt >> (8 * i - 8)
+        f = ct.bitcast((u & 0xFF00) ^ 0x3F808000, ct.float32)
+        acc = acc + f * ct.extract(xt, (i, 0), shape=(1, xt.shape[1]))
+    return acc
+
+
+def _unit_x(x, kk, TKW):
+    """x[4j + i] at [i, j - kk * TKW] as float32 [4, TKW] (zero past K): the row's 4 * TKW
+    values from x [1, K] in one contiguous load, regrouped in registers."""
+    xt = ct.load(x, (0, kk), shape=(1, 4 * TKW), padding_mode=ZERO)
+    return ct.transpose(ct.reshape(ct.astype(xt, ct.float32), (TKW, 4)))
+
+
+def _unit_dot(acc, xs):
+    """[R] dot products from the unit-float accumulator [R, TKW] and the running sum of x [4, TKW]:
+    ``(sum_j acc[:, j] - (1 + 2^-8) sum x) * 2^15``."""
+    return (ct.sum(acc, axis=1) - 1.00390625 * ct.sum(xs)) * 32768.0
+
+
+@ct.kernel(occupancy=2)
+def gemv_int8_unit_kernel(x, w, scale, bias, out, TN: ConstInt, TKW: ConstInt, HAS_BIAS: ConstBool):
+    """INT8 decode linear, out = x @ (q * scale).T (+ bias), the weight's bytes as unit floats.
+
+    x: bf16/fp16 [1, K]; w: int32 [N, K / 4] (the int8 [N, K] weight's words); scale: float32
+    [N]; bias: [N] or a dummy (HAS_BIAS); out: [1, N] in x's dtype. One block per TN output
+    channels, all of K in the block (float32 register tile [TN, TKW]), then ``_finish``. The first
+    weight tile is requested before the PDL wait.
+    """
+    ct.grid_dependency_control_launch_dependents()
+    j = ct.bid(0)
+    nk = ct.cdiv(w.shape[1], TKW)
+    wt = ct.load(w, (j, 0), shape=(TN, TKW), padding_mode=ZERO, latency=10)
+    ct.grid_dependency_control_wait()
+    xt = _unit_x(x, 0, TKW)
+    xs = xt
+    acc = _unit_fma(ct.zeros((TN, TKW), ct.float32), wt, xt)
+    for kk in range(1, nk):
+        wt = ct.load(w, (j, kk), shape=(TN, TKW), padding_mode=ZERO, latency=10)
+        xt = _unit_x(x, kk, TKW)
+        xs = xs + xt
+        acc = _unit_fma(acc, wt, xt)
+    y = ct.reshape(_unit_dot(acc, xs), (1, TN))
+    y = _finish(y, _row_vec(scale, j, TN, True), _row_vec(bias, j, TN, HAS_BIAS), out.dtype, True, HAS_BIAS, False)
+    ct.store(out, (0, j), ct.astype(y, out.dtype))
+
+
+@ct.kernel(occupancy=2)
+def gemv_swiglu_int8_unit_kernel(x, w, scale, out, TN: ConstInt, TKW: ConstInt):
+    """INT8 decode SwiGLU, out = silu(x @ Wg.T) * (x @ Wu.T), the weights' bytes as unit floats.
+
+    x: bf16/fp16 [1, K]; w: int32 [2, inter, K / 4] (the stacked int8 gate_up weight's words,
+    gate half first); scale: float32 [2 * inter]; out: [1, inter] in x's dtype. One block per TN
+    channels of both halves, loaded as one [2, TN, TKW] tile and reshaped to [2 * TN, TKW] (two
+    separate tiles made cuTile 1.7 compute the up tile twice over; a 3-D accumulator went through
+    shared memory each step), so one accumulator. The first tile is requested before the PDL wait.
+    """
+    ct.grid_dependency_control_launch_dependents()
+    j = ct.bid(0)
+    inter = out.shape[1]
+    nk = ct.cdiv(w.shape[2], TKW)
+    wt = ct.reshape(ct.load(w, (0, j, 0), shape=(2, TN, TKW), padding_mode=ZERO, latency=10), (2 * TN, TKW))
+    ct.grid_dependency_control_wait()
+    xt = _unit_x(x, 0, TKW)
+    xs = xt
+    acc = _unit_fma(ct.zeros((2 * TN, TKW), ct.float32), wt, xt)
+    for kk in range(1, nk):
+        wt = ct.reshape(ct.load(w, (0, j, kk), shape=(2, TN, TKW), padding_mode=ZERO, latency=10), (2 * TN, TKW))
+        xt = _unit_x(x, kk, TKW)
+        xs = xs + xt
+        acc = _unit_fma(acc, wt, xt)
+    y = ct.reshape(_unit_dot(acc, xs), (2, TN))  # gate, up
+    scg, scu = _gate_up_scales(scale, j, TN, inter, True)
+    g = _finish(ct.extract(y, (0, 0), shape=(1, TN)), scg, 0.0, out.dtype, True, False, False)
+    u = _finish(ct.extract(y, (1, 0), shape=(1, TN)), scu, 0.0, out.dtype, True, False, False)
+    ct.store(out, (0, j), ct.astype(_silu_mul(g, u), out.dtype))
+
+
 # -------------------------------------------------------------------------------- GEMM kernels
 
 
@@ -327,6 +455,37 @@ def _unsupported(op: str, x: torch.Tensor, wq: torch.Tensor) -> str | None:
     return None
 
 
+def _unit_ok(x: torch.Tensor, wq: torch.Tensor, int8: bool, logits: bool) -> bool:
+    """Whether a product takes the unit-float INT8 GEMV: one row, an INT8 weight, bf16/fp16
+    activations and output (float32 ones keep the exact mma path: the unit form keeps ~15 bits of
+    each weight's product), and a weight that views as int32 words (rows of a multiple of 4
+    bytes, unit column stride, 4-byte aligned)."""
+    return (
+        INT8_UNIT
+        and int8
+        and not logits
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and wq.shape[1] % 4 == 0
+        and wq.stride(1) == 1
+        and wq.stride(0) % 4 == 0
+        and wq.storage_offset() % 4 == 0
+    )
+
+
+def _run_unit(x: torch.Tensor, wq: torch.Tensor, scale, b, has_bias: bool, out: torch.Tensor, swiglu: bool):
+    """Launch the unit-float INT8 GEMV (see :func:`_unit_ok`): the int8 weight [N, K] as int32
+    words [N, K / 4] ([2, inter, K / 4] for swiglu); one block per UNIT_TN output channels."""
+    w32 = wq.view(torch.int32)
+    grid = (cdiv(out.shape[1], UNIT_TN), 1, 1)
+    if swiglu:
+        w32 = w32.view(2, out.shape[1], w32.shape[1])
+        launch(gemv_swiglu_int8_unit_kernel, grid, (x, w32, scale, out, UNIT_TN, UNIT_TKW))
+    else:
+        launch(gemv_int8_unit_kernel, grid, (x, w32, scale, b, out, UNIT_TN, UNIT_TKW, has_bias))
+    return out
+
+
 def _run(x: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor, swiglu: bool, logits: bool) -> torch.Tensor:
     wq, scale, int8 = _weight(w)
     T, K = x.shape
@@ -336,6 +495,8 @@ def _run(x: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor, swigl
     sc = scale if int8 else dummy(dev)
     b = bias if bias is not None else dummy(dev)
     n_out = out.shape[1]
+    if _unit_ok(x, wq, int8, logits):
+        return _run_unit(x, wq, sc, b, bias is not None, out, swiglu)
     if T <= SKINNY_ROWS:
         p = skinny_plan(n_out, wq.shape[0], K, wq.element_size(), swiglu)
         tn, tk, s = p["TN"], p["TK"], p["S"]
@@ -365,8 +526,12 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     """``x @ w.T + bias``: x [T, in] -> [T, out] in x's dtype.
 
     w: [out, in] in x's dtype, or an Int8Weight (int8 [out, in] + float32 scale [out], the scale
-    applied in the epilogue). bias: [out] or None. T <= 16 runs the skinny (GEMV) kernels,
-    larger T the tiled GEMM. An x that is not 2-D falls back to the reference (tileinfer.ops.fallback).
+    applied in the epilogue). bias: [out] or None. T <= 16 runs the skinny (GEMV) kernels (T == 1
+    with an INT8 weight and bf16/fp16 x: the unit-float GEMV, ``gemv_int8_unit_kernel``), larger
+    T the tiled GEMM. An x that is not 2-D falls back to the reference (tileinfer.ops.fallback).
+
+    Raises:
+        ValueError: x's features differ from the weight's columns.
     """
     wq = w.q if isinstance(w, Int8Weight) else w
     why = _unsupported("linear", x, wq)
@@ -381,7 +546,12 @@ def swiglu(x: torch.Tensor, w_gate_up) -> torch.Tensor:
     """SwiGLU MLP input: ``silu(x @ Wg.T) * (x @ Wu.T)`` with SiLU-and-multiply in the epilogue.
 
     x: [T, hidden]; w_gate_up: [2 * inter, hidden] (gate rows first) or an Int8Weight of that
-    shape. Returns [T, inter] in x's dtype. An x that is not 2-D falls back to the reference.
+    shape. Returns [T, inter] in x's dtype. T == 1 with an INT8 weight and bf16/fp16 x runs the
+    unit-float GEMV (``gemv_swiglu_int8_unit_kernel``). An x that is not 2-D falls back to the
+    reference.
+
+    Raises:
+        ValueError: x's features differ from the weight's columns.
     """
     wq = w_gate_up.q if isinstance(w_gate_up, Int8Weight) else w_gate_up
     why = _unsupported("swiglu", x, wq)

@@ -1,0 +1,129 @@
+"""The cuTile backend's INT8 decode GEMV (one row, weights as "unit floats", no tensor cores).
+
+``gemv_int8_unit_kernel`` / ``gemv_swiglu_int8_unit_kernel`` (tileinfer/ops/cutile/gemm.py) turn
+each int8 weight into the float32 ``1 + (w + 128) * 2^-15`` by bit operations and remove the bias
+once per output. CPU: the bit identities the kernels rely on, checked for every byte value with
+the kernels' own integer expressions, and the routing (which products take the path) on meta
+tensors. GPU (cutile target only): linear with and without bias and swiglu at T == 1 against the
+reference, bf16, at Qwen3-4B/8B's projections and Qwen2.5-0.5B's (896 in, 4864 inter: K and N
+that are not multiples of the tiles), one fp16 case; tolerance 1e-2 relative in norm, as the
+other GPU GEMM tests (the unit form adds ~5e-5 to bf16's roundings).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.numerics import MODELS, close, q8, qkv_out
+from tileinfer.ops import Int8Weight
+from tileinfer.ops import reference as R
+
+# (model, projection): (out features, in features, has bias); "gate_up" runs through swiglu
+GPU_SHAPES = {
+    (name, proj): shape
+    for name in ("qwen3-4b-random", "qwen3-8b-random", "qwen2.5-coder-0.5b")
+    for proj, shape in {
+        "qkv": (qkv_out(MODELS[name]), MODELS[name].hidden_size, MODELS[name].attention_bias),
+        "o": (MODELS[name].hidden_size, MODELS[name].num_attention_heads * MODELS[name].head_dim, False),
+        "gate_up": (2 * MODELS[name].intermediate_size, MODELS[name].hidden_size, False),
+        "down": (MODELS[name].hidden_size, MODELS[name].intermediate_size, False),
+    }.items()
+}
+
+
+def _unit_bits(words: torch.Tensor, i: int) -> torch.Tensor:
+    """Byte i of each int32 word as the kernel's unit float (``_unit_fma``'s integer expression)."""
+    u = words << 8 if i == 0 else words if i == 1 else words >> (8 * i - 8)
+    return ((u & 0xFF00) ^ 0x3F808000).view(torch.float32)
+
+
+def test_unit_float_of_every_byte():
+    """Each signed byte b in every byte position of a word gives exactly 1 + (b + 128) * 2^-15,
+    and the bias removal gives back sum_k b_k x_k (exact here: small integers)."""
+    b = torch.arange(-128, 128, dtype=torch.int8)
+    for i in range(4):
+        q = torch.zeros(256, 4, dtype=torch.int8)
+        q[:, i] = b
+        q[:, (i + 1) % 4] = -b  # a neighbour byte of the opposite sign must not leak in
+        f = _unit_bits(q.view(torch.int32).flatten(), i)
+        assert torch.equal(f.double(), 1 + (b.double() + 128) * 2**-15), i
+    x = torch.tensor([3.0, -1.0, 2.0, 5.0])
+    w = torch.tensor([[1, -2, 3, 5], [-128, 127, 0, -1]], dtype=torch.int8)
+    words = w.view(torch.int32)
+    acc = sum(_unit_bits(words, i)[:, 0] * x[i] for i in range(4))
+    y = (acc - 1.00390625 * x.sum()) * 32768.0
+    assert y.tolist() == (w.float() @ x).tolist() == [36.0, -516.0]
+
+
+def _recorded(op, x, w, *args) -> list[str]:
+    """Names of the cuTile kernels ``op`` launches on meta tensors (nothing runs)."""
+    pytest.importorskip("cuda.tile")
+    from tileinfer.ops.cutile import _common, gemm
+
+    with _common.recording() as launches:
+        getattr(gemm, op)(x, w, *args)
+    return [kernel._pyfunc.__name__ for kernel, _grid, _args in launches]
+
+
+def test_routing():
+    """T == 1 with an INT8 weight and bf16/fp16 x takes the unit-float kernels; float32 x, the
+    float32 logits, more rows, a BF16 weight and K not a multiple of 4 keep the mma kernels."""
+
+    def x(t, k, dt=torch.bfloat16):
+        return torch.empty(t, k, dtype=dt, device="meta")
+
+    def w8(n, k):
+        return Int8Weight(
+            torch.empty(n, k, dtype=torch.int8, device="meta"), torch.empty(n, dtype=torch.float32, device="meta")
+        )
+
+    bias = torch.empty(896, dtype=torch.bfloat16, device="meta")
+    assert _recorded("linear", x(1, 4864), w8(896, 4864)) == ["gemv_int8_unit_kernel"]
+    assert _recorded("linear", x(1, 4864), w8(896, 4864), bias) == ["gemv_int8_unit_kernel"]
+    assert _recorded("linear", x(1, 4864, torch.float16), w8(896, 4864)) == ["gemv_int8_unit_kernel"]
+    assert _recorded("swiglu", x(1, 896), w8(2 * 4864, 896)) == ["gemv_swiglu_int8_unit_kernel"]
+    for kernels in (
+        _recorded("linear", x(1, 4864, torch.float32), w8(896, 4864)),
+        _recorded("lm_head", x(1, 896), w8(151936, 896)),
+        _recorded("linear", x(2, 4864), w8(896, 4864)),
+        _recorded("linear", x(1, 4864), torch.empty(896, 4864, dtype=torch.bfloat16, device="meta")),
+        _recorded("linear", x(1, 4862), w8(896, 4862)),
+    ):
+        assert kernels and not any("unit" in k for k in kernels), kernels
+
+
+def _spy_kernels(monkeypatch) -> list[str]:
+    """Names of the kernels the cuTile GEMM module launches from now on (launched as usual)."""
+    from tileinfer.ops.cutile import gemm
+
+    names: list[str] = []
+    real = gemm.launch
+
+    def spy(kernel, grid, args):
+        names.append(kernel._pyfunc.__name__)
+        real(kernel, grid, args)
+
+    monkeypatch.setattr(gemm, "launch", spy)
+    return names
+
+
+@pytest.mark.cases(
+    "model,proj,dt",
+    targets=("cutile",),
+    model=[(m, p, "bf16") for m, p in GPU_SHAPES] + [("qwen3-4b-random", "qkv", "f16")],
+)
+def test_int8_gemv_unit(target, monkeypatch, model, proj, dt):
+    n, k, has_bias = GPU_SHAPES[model, proj]
+    dt = {"bf16": torch.bfloat16, "f16": torch.float16}[dt]
+    launched = _spy_kernels(monkeypatch)
+    x = torch.randn(1, k, device="cuda").to(dt)
+    wq = q8((torch.randn(n, k, device="cuda") * k**-0.5).to(dt))
+    if proj == "gate_up":
+        close(target.ops.swiglu(x, wq), R.swiglu(x, wq), 1e-2, f"{model} swiglu {n}x{k}")
+        assert launched == ["gemv_swiglu_int8_unit_kernel"]
+        return
+    close(target.ops.linear(x, wq), R.linear(x, wq), 1e-2, f"{model} {proj} {n}x{k}")
+    b = torch.randn(n, device="cuda").to(dt)
+    close(target.ops.linear(x, wq, b), R.linear(x, wq, b), 1e-2, f"{model} {proj} {n}x{k} + bias")
+    assert launched == ["gemv_int8_unit_kernel"] * 2
