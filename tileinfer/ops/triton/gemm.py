@@ -437,6 +437,9 @@ SHAPE_TABLE: dict[str, dict] = {
     "gemm_bf16": {(1024, 6144, 2560): (128, 128, 64, 8, 8, 4, "tma_ws")},
     # No single-row shape takes GEMV_DOT: it won the 8B gate_up alone in bench.ops (h200-2026-12-01-gemv-dot.md)
     # but lost whole-model INT8 decode on the 8B shape (h200-2026-12-01-gemv-dot-ab.md): time the model too.
+    # Qwen3-8B o and down (4096 rows, K 4096 / 12288): 8-row tiles, decided by the whole-model A/B
+    # (h200-2026-12-01-decode-final.md, "8B INT8 GEMV entries").
+    "gemv1_int8": {(4096, 4096): (8, 1024, 4, 3, GEMV_UNIT), (4096, 12288): (8, 1024, 4, 3, GEMV_UNIT)},
 }
 
 
