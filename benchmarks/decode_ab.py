@@ -20,6 +20,7 @@ import argparse
 import ast
 import contextlib
 import importlib
+import sys
 
 import torch
 
@@ -77,6 +78,9 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-budget", type=float, default=150.0)
     p.add_argument("--out", default="runs/bench-ab")
     a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: the decode A/B needs a GPU", file=sys.stderr)
+        return 2
     variants = [("shipped", [])] + [parse_variant(v) for v in a.variant]
     ceil = measure_ceilings("cuda")
     header = (
