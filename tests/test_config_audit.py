@@ -21,7 +21,8 @@ CLASSES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
-MINIMAL = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4)
+# 32 heads: the architectures' default KV head counts (Mistral 8, Qwen2 32) must divide them
+MINIMAL = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=32)
 
 
 def engine_logits(folder, ids):
@@ -183,6 +184,7 @@ REFUSED = [
     ("llama", dict(layer_types=["full_attention", "chunked_attention"]), "layer_types="),
     ("qwen2", dict(attention_bias=False), "attention_bias=False"),
     ("mistral", dict(attention_bias=True), "attention_bias=True"),
+    ("llama", dict(num_key_value_heads=3), "num_key_value_heads=3 does not divide"),
 ]
 
 

@@ -209,6 +209,10 @@ class ModelConfig:
         _check_quantization(d.get("quantization_config"))
         heads, hidden, layers = int(d["num_attention_heads"]), int(d["hidden_size"]), int(d["num_hidden_layers"])
         head_dim = int(get("head_dim") or hidden // heads)
+        kv_heads = int(get("num_key_value_heads") or heads)
+        if kv_heads < 1 or heads % kv_heads:
+            # GQA shares each KV head among heads // kv_heads query heads; no model has a remainder
+            raise UserError(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
         max_pos = int(get("max_position_embeddings"))
         eos = d.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -220,7 +224,7 @@ class ModelConfig:
             intermediate_size=int(d["intermediate_size"]),
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(get("num_key_value_heads") or heads),
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(get("rms_norm_eps")),
             rope_theta=theta,
