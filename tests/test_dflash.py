@@ -20,7 +20,6 @@ from tileinfer.models import Transformer
 from tileinfer.models.dflash import DFlashDrafter
 
 DATA = Path(__file__).parent / "data"
-FIXTURE = DATA / "dflash_fixture.pt"
 
 
 def tiny_target(hidden: int, vocab: int, layers: int, seed: int = 0) -> Transformer:
@@ -75,7 +74,8 @@ def fixture_module():
 
 
 def test_drafter_matches_the_reference_fixture(tmp_path):
-    fx = fixture_module().with_inputs(torch.load(FIXTURE))
+    make = fixture_module()
+    fx = make.with_inputs(make.load())
     folder = write_drafter(tmp_path / "drafter", fx["config"], fx["state_dict"])
     assert_matches(fx, DFlashDrafter.load(folder, dtype=torch.float32))
 

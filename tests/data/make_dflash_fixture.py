@@ -1,4 +1,4 @@
-"""Make ``tests/data/dflash_fixture.pt``: a tiny random DFlash drafter run by the reference package.
+"""Make ``tests/data/dflash_fixture.json``: a tiny random DFlash drafter run by the reference package.
 
 tests/test_dflash.py checks tileinfer's drafter (tileinfer/models/dflash.py) against the logits stored
 here, so CI needs no reference package. The reference is the ``dflash`` package (z-lab, PyPI 0.1.0,
@@ -12,7 +12,8 @@ needed, so install it without them):
     pip install --no-deps dflash==0.1.0      # or put an unpacked wheel on PYTHONPATH
     python tests/data/make_dflash_fixture.py
 
-The file stores no weights: ``config`` (the drafter's config.json, the published z-lab layout), the
+The file (JSON: float32 values written in full, so they read back bit for bit) stores no
+weights: ``config`` (the drafter's config.json, the published z-lab layout), the
 ``seed`` from which :func:`random_inputs` draws the drafter's state dict (the reference's tensor
 names), the target's ``embed`` and ``lm_head`` and each round's context, and ``rounds``: per round the
 block ``tokens`` and ``positions`` [B] and the reference's float32 ``logits`` [B - 1, vocab].
@@ -21,13 +22,15 @@ block ``tokens`` and ``positions`` [B] and the reference's float32 ``logits`` [B
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-FIXTURE = Path(__file__).with_name("dflash_fixture.pt")
+FIXTURE = Path(__file__).with_name("dflash_fixture.json")
+ROUND_DTYPES = {"tokens": torch.int64, "positions": torch.int64, "logits": torch.float32}
 
 # A drafter of the published shape family (Qwen3 layers, GQA, q/k norms), shrunk; the target it
 # serves has 4 layers of hidden size 32 and a 64-token vocabulary whose last id is the mask token.
@@ -107,6 +110,19 @@ def random_inputs(cfg: dict, seed: int) -> dict:
     )
 
 
+def save(fx: dict, path: Path = FIXTURE) -> None:
+    """Write a fixture (without its drawn tensors) as JSON; tensors become nested lists."""
+    rounds = [{k: r[k].tolist() for k in ROUND_DTYPES} for r in fx["rounds"]]
+    path.write_text(json.dumps(fx | {"rounds": rounds}, indent=1) + "\n")
+
+
+def load(path: Path = FIXTURE) -> dict:
+    """A fixture written by :func:`save`, its rounds' lists back as tensors of their dtypes."""
+    fx = json.loads(path.read_text())
+    fx["rounds"] = [{k: torch.tensor(r[k], dtype=dt) for k, dt in ROUND_DTYPES.items()} for r in fx["rounds"]]
+    return fx
+
+
 def with_inputs(fx: dict) -> dict:
     """A stored fixture with its drawn tensors (:func:`random_inputs`) added back."""
     inputs = random_inputs(fx["config"], fx["seed"])
@@ -167,5 +183,5 @@ def _dflash_version() -> str:
 
 
 if __name__ == "__main__":
-    torch.save(make(), FIXTURE)  # no weights: the test draws them again from the stored seed
+    save(make())  # no weights: the test draws them again from the stored seed
     print(f"wrote {FIXTURE} ({FIXTURE.stat().st_size} bytes)")
