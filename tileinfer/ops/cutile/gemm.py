@@ -38,9 +38,9 @@ MAX_SPLIT = 16
 MIN_K_TILES = 2  # each split reduces at least this many K tiles
 MIN_BLOCKS = 90  # split K until the grid has ~2/3 of the H200's 132 SMs busy (measured)
 PLAN_OVERRIDE: dict = {}  # bench: force TN / TK / S
-INT8_UNIT = True  # T == 1 INT8 linear/swiglu through the unit-float FMA GEMV (bench toggles it)
+INT8_UNIT = True  # T == 1 INT8 linear/swiglu through the unit-float FMA GEMV (False: the mma path, for A/B runs)
 UNIT_TN = 16  # output channels per unit-float GEMV block (H200 A/B: 16 beat 8 by 11-15% whole-model)
-UNIT_TKW = 256  # int32 words (4 weights each) per unit-float GEMV tile: a first guess, to be swept on the H200
+UNIT_TKW = 256  # int32 words (4 weights each) per unit-float GEMV tile (H200 A/B: 128 and 512 were slower)
 
 # ------------------------------------------------------------------------------------ helpers
 

@@ -569,9 +569,8 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
         mode = row_mode if not dot and int8 and row_mode is not None else int(int8)
         if mode == GEMV_UNIT and torch.float32 in (x.dtype, out_dtype):
             mode = 1  # float32 activations or logits keep the exact conversion (GEMV_UNIT is ~5e-5 off)
-        pipe = 1 if dot else stages  # the row path pipelines its loop itself (PIPE)
-        if not dot:
-            stages = 1
+        # the row path pipelines its own loop (PIPE); its launch has no dot for num_stages to pipeline
+        pipe, stages = (1, stages) if dot else (stages, 1)
         if mode == 2:  # this INT8 GEMV reads the weight as int32 words
             if K % 4 or not wq.is_contiguous():
                 return _reference(op, "INT8 weight not contiguous in whole int32 words", x, w, bias)
