@@ -21,6 +21,7 @@ import ast
 import contextlib
 import importlib
 import sys
+from functools import partial
 
 import torch
 
@@ -81,7 +82,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: the decode A/B needs a GPU", file=sys.stderr)
         return 2
-    variants = [("shipped", [])] + [parse_variant(v) for v in a.variant]
+    # (name, a function giving the context that installs the variant for one run)
+    variants = [("shipped", partial(patched, []))] + [
+        (n, partial(patched, sets)) for n, sets in map(parse_variant, a.variant)
+    ]
     ceil = measure_ceilings("cuda")
     header = (
         f"Decode A/B on {torch.cuda.get_device_name()}; copy bandwidth {ceil['copy_GBps']:.0f} GB/s; "
@@ -95,11 +99,11 @@ def main(argv=None) -> int:
         winners = sweep_winners(srows)
         for fam, w in winners.items():
             print(f"sweep winners {fam}: {w['by_key']}")
-        variants.append(("sweep", [w for w in winners.values()]))
+        variants.append(("sweep", partial(installed, list(winners.values()))))
     rows = []
     for name in a.models.split(","):
-        for vname, sets in variants:
-            with patched(sets) if vname != "sweep" else installed(sets):
+        for vname, context in variants:
+            with context():
                 got = bench_model(
                     name,
                     a.backends.split(","),
