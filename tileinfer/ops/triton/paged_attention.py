@@ -413,21 +413,23 @@ PREFILL_TILE_SMALL = (64, 64, 4, 3)
 PREFILL_SMALL_ROWS = 4096  # T * group
 # Decode (BLOCK_N, num_warps, num_stages); BLOCK_M comes from the rows (T * group, padded to 16).
 # num_stages 1 (no cp.async ring: many resident programs hide the latency) was as fast for BF16 and
-# 1.2x faster for INT8 at 8k; at 32k the INT8 cache prefers 128-key tiles, 3 stages.
+# 1.2x faster for INT8 at 8k; at 32k the INT8 cache prefers 128-key tiles, 2 stages and 6 programs
+# per SM (whole-model A/B, results/h200-2026-12-01-attn-int8-tiles.md).
 DECODE_TILE = (64, 4, 1)
-DECODE_TILE_INT8_LONG = (128, 4, 3)  # INT8 cache, block tables of >= 16k positions
+DECODE_TILE_INT8_LONG = (128, 4, 2)  # INT8 cache, block tables of >= 16k positions
 DECODE_PROGRAMS = 4 * 132  # split-kernel programs at long context (sweep: 264 and 1056 were slower)
+DECODE_PROGRAMS_INT8_LONG = 6 * 132
 
 _OVERRIDE: dict[str, object] = {}
 
 
-def num_splits(max_positions: int, kv_heads: int, block_n: int) -> int:
-    """Context chunks of the split-KV kernel: ~DECODE_PROGRAMS programs, at most one per key block.
+def num_splits(max_positions: int, kv_heads: int, block_n: int, programs: int) -> int:
+    """Context chunks of the split-KV kernel: ~``programs`` programs, at most one per key block.
 
     Depends only on static shapes (the block table's length, the KV heads), so a captured graph
     stays valid as the context grows.
     """
-    target = _OVERRIDE.get("programs", DECODE_PROGRAMS)
+    target = _OVERRIDE.get("programs", programs)
     return max(1, min(cdiv(max_positions, block_n), cdiv(target, kv_heads)))
 
 
@@ -497,10 +499,11 @@ def attention(
     dot_t, prec = dot_dtype(q.dtype), dot_precision(q.dtype)
     qk_scale = float(sm_scale) * LOG2E
     if T <= DECODE_MAX_ROWS:
-        tile = DECODE_TILE_INT8_LONG if (layer.int8 and maxp * PAGE >= 16384) else DECODE_TILE
+        long_int8 = layer.int8 and maxp * PAGE >= 16384
+        tile = DECODE_TILE_INT8_LONG if long_int8 else DECODE_TILE
         bn, warps, stages = _OVERRIDE.get("decode_tile", tile)
         block_m = max(16, next_pow2(T * G))
-        splits = num_splits(maxp * PAGE, KVH, bn)
+        splits = num_splits(maxp * PAGE, KVH, bn, DECODE_PROGRAMS_INT8_LONG if long_int8 else DECODE_PROGRAMS)
         rows = T * H
         wacc = torch.empty((splits, rows, D), dtype=torch.float32, device=q.device)
         wml = torch.empty((splits, 2, rows), dtype=torch.float32, device=q.device)
