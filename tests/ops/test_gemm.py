@@ -97,9 +97,12 @@ def test_lm_head(target, model, T):
 # ---------------------------------------------------------------------------- one backend's variants
 
 # Triton's GEMM kinds forced through the tile tables' override hook: pointer-based, persistent TMA,
-# TMA warp-specialised (compiled only), and the int32-word INT8 GEMV.
+# TMA warp-specialised (compiled only), swap AB (the weight as the dot's first operand; INT8's
+# prefill kernel, also for BF16 weights), and the int32-word INT8 GEMV. The small tiles leave partial
+# tiles in every dimension (40 rows, 72 or 36 output features, 200 input features).
 TRITON_SMALL_VARIANTS = {
     "ptr": {"gemm_bf16": (32, 32, 32, 8, 4, 2, "ptr"), "gemm_int8": (32, 32, 32, 8, 4, 2, "ptr")},
+    "swap": {"gemm_bf16": (32, 32, 32, 8, 4, 2, "swap"), "gemm_int8": (16, 32, 32, 8, 4, 2, "swap")},
     "tma": {
         "gemm_bf16": (32, 32, 32, 8, 4, 2, "tma"),
         "gemm_int8": (32, 32, 32, 8, 4, 2, "tma"),
@@ -120,6 +123,7 @@ TRITON_VARIANTS = {
         "gemm_int8": (128, 128, 64, 8, 8, 4, "tma_ws"),
         "gemv1_int8": (16, 512, 4, 1, 1),
     },
+    "swap": {"gemm_bf16": (64, 128, 64, 8, 4, 3, "swap"), "gemm_int8": (128, 256, 64, 8, 8, 3, "swap")},
     "gemv_dot": {"gemv1_bf16": (32, 256, 4, 4, 3), "gemv1_int8": (32, 256, 4, 4, 3)},
     "gemv_unit": {"gemv1_int8": (8, 1024, 4, 1, 4)},
     "gemv_pipelined": {"gemv1_bf16": (8, 512, 4, 3), "gemv1_int8": (8, 1024, 4, 3, 4)},
@@ -132,13 +136,14 @@ TRITON_VARIANTS = {
     small=[(v, dt, T, K) for v in TRITON_SMALL_VARIANTS for dt in DTYPES for T in (1, 40) for K in (64, 200)],
 )
 def test_triton_variants_small(target, monkeypatch, variant, dt, T, K):
-    """The interpreter through each GEMM kind; "tma" also through the INT8 prefill path that widens
-    the weight to bf16 first (threshold lowered to 32 rows)."""
+    """The interpreter through each GEMM kind (linear with and without bias, swiglu, float32 logits;
+    the weight in the model dtype and INT8); "tma" also through the INT8 prefill path that widens
+    the weight to bf16 first, and "swap" past that threshold (lowered to 32 rows)."""
     from tileinfer.ops.triton import gemm
 
     for key, cfg in TRITON_SMALL_VARIANTS[variant].items():
         monkeypatch.setitem(gemm._OVERRIDE, key, cfg)
-    if variant == "tma":
+    if variant in ("tma", "swap"):
         monkeypatch.setattr(gemm, "INT8_DEQUANT_ROWS", 32)
     dt = DTYPES[dt]
     N = 72
@@ -150,7 +155,7 @@ def test_triton_variants_small(target, monkeypatch, variant, dt, T, K):
 @pytest.mark.cases("variant", targets=("triton",), model=list(TRITON_VARIANTS))
 def test_triton_variants(target, monkeypatch, variant):
     """Each GEMM kind and both INT8 GEMV modes at Qwen2.5-0.5B's odd sizes (896 in, 4864 inter);
-    600 rows: INT8 weights widened to bf16 first."""
+    600 rows: INT8 weights widened to bf16 first, except with "swap"."""
     from tileinfer.ops.triton import gemm
 
     for key, cfg in TRITON_VARIANTS[variant].items():
@@ -201,3 +206,28 @@ def test_triton_gemv_unit_error_is_a_rounding_flip_at_most(target, monkeypatch, 
     assert ((out - want).abs() <= step).all()
     exact = (x.double() @ w.q.double().T) * w.scale.double()
     assert (out - exact).norm() <= 1.25 * (want - exact).norm()
+
+
+@pytest.mark.cases(
+    "model,T",
+    targets=("triton",),
+    model=[(name, T) for name in ("qwen3-4b-random", "qwen3-8b-random") for T in (1024, 1000)],
+)
+def test_triton_int8_prefill_gemm(target, model, T):
+    """The INT8 prefill GEMM (the table's path and tiles) at Qwen3-4B/8B's projections in bf16,
+    1,024 rows and a ragged 1,000, with a bias on qkv, against the reference; the same shapes with
+    BF16 weights as a yardstick of the tolerance."""
+    c = MODELS[model]
+    dev, bf = target.device, torch.bfloat16
+    for name, (n, k, _) in projections(c).items():
+        x = torch.randn(T, k, device=dev).to(bf)
+        w = (torch.randn(n, k, device=dev) * k**-0.5).to(bf)
+        b = torch.randn(n, device=dev).to(bf) if name == "qkv" else None
+        for ww in (w, q8(w)):
+            close(target.ops.linear(x, ww), R.linear(x, ww), 1e-2, f"{name} int8={ww is not w}")
+            if b is not None:
+                close(target.ops.linear(x, ww, b), R.linear(x, ww, b), 1e-2, f"{name} + bias int8={ww is not w}")
+    x = torch.randn(T, c.hidden_size, device=dev).to(bf)
+    w = (torch.randn(2 * c.intermediate_size, c.hidden_size, device=dev) * c.hidden_size**-0.5).to(bf)
+    for ww in (w, q8(w)):
+        close(target.ops.swiglu(x, ww), R.swiglu(x, ww), 1e-2, f"gate_up int8={ww is not w}")

@@ -1,7 +1,7 @@
 """Op benchmark: every op of every requested backend, and torch (cuBLAS / SDPA), at model shapes.
 
     python -m tileinfer.bench.ops [--backends triton,cutile] [--models qwen3-0.6b-random,...]
-                                  [--out DIR] [--ops OP,...] [--no-32k] [--precompile N]
+                                  [--out DIR] [--ops OP,...] [--phases P,...] [--no-32k] [--precompile N]
                                   [--sweep [--sweep-families F,...] [--apply-sweep]]
 
 For each model (registry names, conf/model): the cases of :mod:`tileinfer.bench.cases` - the decode
@@ -239,6 +239,18 @@ def sweep_families() -> list[Family]:
     gemv16 = [(32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4)]
     # one row through the 16-row tensor-core path (GEMV_DOT): fewer instructions a weight than FMAs
     gemv1_dot = [(16, 256, 4, 4, 3), (32, 256, 4, 4, 3), (32, 512, 4, 3, 3), (64, 128, 4, 4, 3), (64, 256, 8, 3, 3)]
+    # INT8 weights: the swap-AB TMA kernel (BLOCK_M tokens x BLOCK_N weight rows; 64 rows a warpgroup).
+    # Not 256 x 128 tiles: non-finite outputs on the plain 4B/8B shapes (h200-2026-12-01-int8-prefill-gemm.md)
+    gemm_int8_cfgs = [
+        (128, 256, 64, 8, 8, 3, "swap"),
+        (128, 128, 64, 8, 8, 4, "swap"),
+        (128, 128, 128, 8, 8, 3, "swap"),
+        (256, 64, 64, 8, 8, 3, "swap"),
+        (128, 64, 64, 8, 8, 4, "swap"),
+        (256, 64, 64, 8, 4, 4, "swap"),
+        (128, 64, 64, 8, 4, 4, "swap"),
+        (128, 128, 64, 8, 8, 3, "ptr"),  # from 512 rows any other kind means: widen, then the BF16 tables
+    ]
     gemm_cfgs = [
         (128, 128, 64, 8, 8, 3, "ptr"),
         (128, 128, 64, 8, 8, 4, "tma"),
@@ -299,7 +311,7 @@ def sweep_families() -> list[Family]:
         Family("triton", "gemv16 bf16", gemv16, linear("verify", "bf16"), gemm("gemv16_bf16"), per_shape=True),
         Family("triton", "gemv16 int8", gemv16, linear("verify", "int8w"), gemm("gemv16_int8"), per_shape=True),
         Family("triton", "gemm bf16", gemm_cfgs, linear("prefill", "bf16"), gemm("gemm_bf16"), per_shape=True),
-        Family("triton", "gemm int8", gemm_cfgs, linear("prefill", "int8w"), gemm("gemm_int8"), per_shape=True),
+        Family("triton", "gemm int8", gemm_int8_cfgs, linear("prefill", "int8w"), gemm("gemm_int8"), per_shape=True),
         Family(
             "triton",
             "decode attn tile",
@@ -427,15 +439,27 @@ def _launch_case_with(fam: Family, cfg, c: Case, ops) -> None:
         c.call(ops, c.make("meta"))
 
 
-def bench_calls(backend: str, models, long_ctx: bool, sweep_models, families: str) -> list[Call]:
-    """The run's launches as ahead-of-time calls (:mod:`tileinfer.bench.aot`): every case of
-    ``models``, and every config of the selected sweep families of ``backend`` on their cases of
-    ``sweep_models``."""
+def table_cases(models, long_ctx: bool, ops: str = "", phases: str = "") -> list[Case]:
+    """The main table's cases of ``models``: only the comma-separated ``ops`` and ``phases`` if given."""
+    cases = [c for name in models for c in model_cases(name, long_ctx)]
+    if ops:
+        cases = [c for c in cases if c.op in ops.split(",")]
+    if phases:
+        cases = [c for c in cases if c.phase in phases.split(",")]
+    return cases
+
+
+def bench_calls(
+    backend: str, models, long_ctx: bool, sweep_models, families: str, ops: str = "", phases: str = ""
+) -> list[Call]:
+    """The run's launches as ahead-of-time calls (:mod:`tileinfer.bench.aot`): every case of the
+    main table (:func:`table_cases`), and every config of the selected sweep families of
+    ``backend`` on their cases of ``sweep_models``."""
 
     def label(c):
         return f"{c.model} {c.phase} {c.op} {c.shape} {c.variant}"
 
-    calls = [Call(label(c), functools.partial(_launch_case, c)) for name in models for c in model_cases(name, long_ctx)]
+    calls = [Call(label(c), functools.partial(_launch_case, c)) for c in table_cases(models, long_ctx, ops, phases)]
     for fam in select_families(families, (backend,)):
         for cfg in fam.configs:
             calls += [
@@ -445,12 +469,15 @@ def bench_calls(backend: str, models, long_ctx: bool, sweep_models, families: st
     return calls
 
 
-def precompile(backends, models, jobs: int, long_ctx: bool, sweep_models, families: str, arch: str) -> float:
+def precompile(
+    backends, models, jobs: int, long_ctx: bool, sweep_models, families: str, arch: str, ops: str = "", phases: str = ""
+) -> float:
     """Compile every kernel of :func:`bench_calls` for ``arch`` in ``jobs`` processes per backend, so
     that the timed run finds them in the disk caches; print the failures. Returns seconds taken."""
     t0 = time.perf_counter()
     for backend in backends:
-        recs = compile_calls(backend, bench_calls, (backend, models, long_ctx, sweep_models, families), arch, jobs)
+        args = (backend, models, long_ctx, sweep_models, families, ops, phases)
+        recs = compile_calls(backend, bench_calls, args, arch, jobs)
         failed = [r for r in recs if r["error"]]
         print(f"precompile {backend}: {len(recs) - len(failed)} kernels for {arch}, {len(failed)} failed", flush=True)
         for r in failed:  # the timed run reports these cases again
@@ -644,6 +671,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--no-32k", action="store_true", help="skip the 32k-context decode attention")
     p.add_argument("--ops", default="", help="only these ops (comma-separated)")
+    p.add_argument("--phases", default="", help="only these phases (comma-separated: decode, verify, prefill)")
     a = p.parse_args(argv)
     models = [m for m in a.models.split(",") if m]
     try:
@@ -674,6 +702,8 @@ def main(argv=None) -> int:
             sweep_models,
             a.sweep_families,
             f"sm_{major}{minor}",
+            a.ops,
+            a.phases,
         )
         print(f"precompiled in {secs:.1f}s", flush=True)
     jit_compiles = _count_cutile_compiles() if "cutile" in backends else None
@@ -708,9 +738,7 @@ def main(argv=None) -> int:
                 else:
                     w["family"].install(w["config"])
         sys.stdout.flush()
-    cases = [c for name in models for c in model_cases(name, not a.no_32k)]
-    if a.ops:
-        cases = [c for c in cases if c.op in a.ops.split(",")]
+    cases = table_cases(models, not a.no_32k, a.ops, a.phases)
     rows = run_cases(cases, backends, ceil, dev, a.budget)
     ceil1 = measure_ceilings(dev, warm_s=0.2)
     print(f"ceilings at the end: copy {ceil1['copy_GBps']:.0f} GB/s, GEMM {ceil1['gemm_TFLOPs']:.0f} TFLOP/s")

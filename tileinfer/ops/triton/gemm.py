@@ -15,7 +15,10 @@ the epilogue), with bias, SwiGLU and float32-logit epilogues.
 * Prefill: ``_gemm_tma_kernel``, a persistent GEMM fed by TMA descriptors (Triton tutorial 09), or
   ``_gemm_kernel``, the classic pointer-based tiled GEMM (grouped order, cp.async, wgmma), per the
   tile table. From ``INT8_DEQUANT_ROWS`` rows an INT8 weight is widened to a bf16 scratch copy
-  first (one pass) instead of being converted once per 128-row block inside the GEMM.
+  first (one pass) instead of being converted once per 128-row block inside the GEMM, unless the
+  table picks the TMA kernel's "swap AB" form: out^T = W @ x^T, the int8 weight tile as wgmma's A
+  operand, converted to bf16 in registers and read by wgmma from there (only x goes through shared
+  memory to the tensor cores).
 
 SwiGLU: the gate and up outputs of the same columns meet in one program and ``silu(gate) * up``
 happens in the epilogue, so the [T, 2 * inter] intermediate never exists. The GEMV and the pointer
@@ -304,6 +307,14 @@ def _tile_coords(tile, grid_m, grid_n, GROUP_M: tl.constexpr):
     return first_m + (tile % width) % size_m, (tile % width) // size_m
 
 
+@triton.jit
+def _bcast(v, SWAP_AB: tl.constexpr, ALONG_COLS: tl.constexpr):
+    """A vector over the output's columns (ALONG_COLS) or rows, shaped to broadcast against the
+    accumulator: [rows, cols], or [cols, rows] when SWAP_AB."""
+    AXIS: tl.constexpr = 1 if SWAP_AB == ALONG_COLS else 0
+    return tl.expand_dims(v, AXIS)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_tma_kernel(
     a_desc,
@@ -328,6 +339,7 @@ def _gemm_tma_kernel(
     DOT_T: tl.constexpr,
     PREC: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     """Persistent GEMM with TMA loads (Triton tutorial 09): NUM_SMS programs walk the output tiles.
 
@@ -335,33 +347,59 @@ def _gemm_tma_kernel(
     columns read as zeros, so no masks); with WARP_SPEC, Triton splits producer (TMA) and consumer
     (wgmma + epilogue) warps. SwiGLU: BLOCK_N is the output width; each k-step loads the gate tile
     and the up tile (UP_OFF rows further) and keeps two accumulators.
+
+    SWAP_AB ("swap AB", for INT8 weights): the product is computed transposed, out^T tile =
+    w tile [BLOCK_N, BLOCK_K] @ x tile^T, so the weight is wgmma's A operand. Converted to the dot
+    type in registers, it stays there (wgmma reads A from registers; Triton keeps a dot's A operand
+    in registers when an elementwise op produces it), and only x goes through shared memory to the
+    tensor cores: the int8 tile goes TMA -> shared -> registers -> convert -> wgmma, with no store of
+    the converted tile back to shared memory. The weight rows are wgmma's M (64 a warpgroup), the
+    tokens its N. The epilogue works on the transposed tile (scales and bias along its rows) and
+    stores it transposed. SwiGLU reads gate and up rows as one 3-D tile [2, BLOCK_N, BLOCK_K] (one
+    dot, one accumulator split in the epilogue): with two dots, ptxas serializes every wgmma (its
+    C7515: the second dot's A registers are written while the first runs). The tile loop is not
+    flattened into the k-loop for the same reason (the accumulator reset inside the pipelined loop).
     """
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     out_t: tl.constexpr = o_ptr.dtype.element_ty
-    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=True, warp_specialize=WARP_SPEC):
+    for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=not SWAP_AB, warp_specialize=WARP_SPEC):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
         om = pid_m * BLOCK_M
         on = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if SWIGLU:
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP_AB:
+            # SwiGLU: one [2 * BLOCK_N, BLOCK_M] accumulator, gate rows then up rows (b_desc is 3-D)
+            acc = tl.zeros((2 * BLOCK_N if SWIGLU else BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if SWIGLU:
+                acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = a_desc.load([om, ki * BLOCK_K]).to(DOT_T)
-            b = b_desc.load([on, ki * BLOCK_K]).to(DOT_T)
-            acc = tl.dot(a, b.T, acc, input_precision=PREC)
-            if SWIGLU:
-                bu = b_desc.load([UP_OFF + on, ki * BLOCK_K]).to(DOT_T)
-                acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
+            if SWAP_AB:
+                if SWIGLU:
+                    b = b_desc.load([0, on, ki * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K).to(DOT_T)
+                else:
+                    b = b_desc.load([on, ki * BLOCK_K]).to(DOT_T)
+                acc = tl.dot(b, a.T, acc, input_precision=PREC)
+            else:
+                b = b_desc.load([on, ki * BLOCK_K]).to(DOT_T)
+                acc = tl.dot(a, b.T, acc, input_precision=PREC)
+                if SWIGLU:
+                    bu = b_desc.load([UP_OFF + on, ki * BLOCK_K]).to(DOT_T)
+                    acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
         rows = om + tl.arange(0, BLOCK_M)
         cols = on + tl.arange(0, BLOCK_N)
         cc = tl.minimum(cols, N - 1)
         y = acc
+        if SWAP_AB:
+            if SWIGLU:
+                y, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
         if ROUND:
             y = cast(y, out_t).to(tl.float32)
         if W_INT8:
-            y = y * tl.load(s_ptr + cc)[None, :]
+            y = y * _bcast(tl.load(s_ptr + cc), SWAP_AB, True)
             if ROUND:
                 y = cast(y, out_t).to(tl.float32)
         if SWIGLU:
@@ -369,14 +407,16 @@ def _gemm_tma_kernel(
             if ROUND:
                 u = cast(u, out_t).to(tl.float32)
             if W_INT8:
-                u = u * tl.load(s_ptr + UP_OFF + cc)[None, :]
+                u = u * _bcast(tl.load(s_ptr + UP_OFF + cc), SWAP_AB, True)
                 if ROUND:
                     u = cast(u, out_t).to(tl.float32)
             y = y * tl.sigmoid(y) * u
         if HAS_BIAS:
-            y = y + tl.load(bias_ptr + cc).to(tl.float32)[None, :]
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        tl.store(o_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], cast(y, out_t), mask=mask)
+            y = y + _bcast(tl.load(bias_ptr + cc).to(tl.float32), SWAP_AB, True)
+        r64 = rows.to(tl.int64) * stride_om
+        offs = _bcast(r64, SWAP_AB, False) + _bcast(cols, SWAP_AB, True)
+        mask = _bcast(rows < M, SWAP_AB, False) & _bcast(cols < N, SWAP_AB, True)
+        tl.store(o_ptr + offs, cast(y, out_t), mask=mask)
 
 
 # ---------------------------------------------------------------------------- tile tables
@@ -406,8 +446,10 @@ GEMV1_INT8 = [
 GEMV16_BF16 = (32, 256, 4, 4)
 GEMV16_INT8 = (32, 256, 4, 4)
 # GEMM: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, kernel). kernel "ptr" is the
-# pointer-based tiled GEMM, "tma" the persistent TMA kernel, "tma_ws" the same warp-specialised.
-# BLOCK_N is the width of the output tile (for SwiGLU the kernels read twice as many weight rows).
+# pointer-based tiled GEMM, "tma" the persistent TMA kernel, "tma_ws" the same warp-specialised,
+# "swap" the TMA kernel computing the transposed tile (weight rows as wgmma's M: 64 a warpgroup).
+# BLOCK_M is the tile's tokens, BLOCK_N the width of the output tile (for SwiGLU the kernels read
+# twice as many weight rows).
 # ``_gemm_config`` takes the first tile of its list that still makes half a wave of programs on 132
 # SMs (a 1024 x 1024 output has 64 tiles of 128 x 128), unless SHAPE_TABLE names the shape.
 GEMM_TILES = {
@@ -416,13 +458,17 @@ GEMM_TILES = {
     "bf16": [(128, 256, 64, 8, 8, 3, "tma"), (128, 128, 64, 8, 8, 4, "tma_ws"), (64, 128, 64, 8, 4, 4, "ptr")],
     # SwiGLU: two accumulators, so 128 x 128 output tiles (= 256 weight rows); 256 would spill
     "bf16_swiglu": [(128, 128, 64, 8, 8, 4, "tma_ws"), (64, 128, 64, 8, 4, 4, "ptr")],
-    # INT8 weights converted in the kernel (M < INT8_DEQUANT_ROWS): the pointer kernel beat TMA
+    # INT8 weights converted in the kernel (M < INT8_DEQUANT_ROWS): the pointer kernel beat TMA.
+    # SwiGLU takes swap AB (256 tokens x 64 gate + 64 up rows, one dot): 1.09x / 1.19x the BF16 SwiGLU
+    # kernel on the 4B / 8B gate_up at 1k tokens, where widening gave 0.79; on the plain shapes swap
+    # ran at 0.69-0.92x BF16, below the widening pass (h200-2026-12-01-int8-prefill-gemm.md)
     "int8": [(128, 128, 64, 8, 8, 3, "ptr"), (64, 128, 64, 8, 4, 4, "ptr")],
-    "int8_swiglu": [(128, 128, 64, 8, 8, 4, "tma"), (64, 128, 64, 8, 4, 4, "ptr")],
+    "int8_swiglu": [(256, 64, 64, 8, 8, 3, "swap"), (128, 128, 64, 8, 8, 4, "tma"), (64, 128, 64, 8, 4, 4, "ptr")],
 }
 # From this many rows on, an INT8 weight is first widened to a bf16 scratch copy (one pass over
 # it, exact) and multiplied by the bf16 kernels, scales still in the epilogue: converting in the
-# GEMM repeats the conversion once per 128-row block and ran at 0.5-0.64x the BF16 GEMM.
+# GEMM repeats the conversion once per 128-row block and ran at 0.5-0.64x the BF16 GEMM. A "swap"
+# config converts in registers for the tensor cores and skips the widening.
 INT8_DEQUANT_ROWS = 512
 NUM_SMS = 132  # H200: the tile rule's wave size (the launch reads the device's own count)
 
@@ -607,19 +653,20 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
             **pdl_launch(x),
         )
     else:
-        if int8 and T >= INT8_DEQUANT_ROWS:
+        cfg = _gemm_config(T, N, int8, K, swiglu)
+        if int8 and T >= INT8_DEQUANT_ROWS and cfg[6:] != ("swap",):
             if not wq.is_contiguous():  # the widening pass reads the weight as one flat block
                 return _reference(op, "INT8 weight not contiguous", x, w, bias)
             wq = _widen_int8(wq, x.dtype)  # exact bf16 copy; the int8 epilogue still scales
             cfg = _gemm_config(T, N, False, K, swiglu)
-        else:
-            cfg = _gemm_config(T, N, int8, K, swiglu)
         bm, bn, bk, gm, warps, stages = cfg[:6]
         kind = cfg[6] if len(cfg) > 6 else "ptr"
         if (swiglu or out_dtype == torch.float32) and bn > 128:
             # two accumulators, or a float32 output tile staged through shared memory for the store:
             # a wider tile overflows the 227 KB of shared memory (seen: 272 KB for a 127-row lm_head)
             bn = 128
+        if kind == "swap" and out_dtype == torch.float32:
+            bm = min(bm, 128)  # the same for the swapped tile's token side
         if kind != "ptr" and not _tma_ok(x, wq):
             kind = "ptr"
         if kind == "ptr":
@@ -653,7 +700,10 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
             )
         else:
             a_desc = TensorDescriptor(x, [T, K], [x.stride(0), 1], [bm, bk])
-            b_desc = TensorDescriptor(wq, [n_rows, K], [wq.stride(0), 1], [bn, bk])
+            if kind == "swap" and swiglu:  # gate and up rows as one 3-D tile [2, bn, bk]
+                b_desc = TensorDescriptor(wq, [2, N, K], [N * wq.stride(0), wq.stride(0), 1], [2, bn, bk])
+            else:
+                b_desc = TensorDescriptor(wq, [n_rows, K], [wq.stride(0), 1], [bn, bk])
             n_sms = _num_sms(x.device)
             grid = (min(n_sms, cdiv(T, bm) * cdiv(N, bn)),)
             _gemm_tma_kernel[grid](
@@ -679,6 +729,7 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
                 DOT_T=dot_t,
                 PREC=prec,
                 WARP_SPEC=kind == "tma_ws" and not INTERPRET,
+                SWAP_AB=kind == "swap",
                 num_warps=warps,
                 num_stages=stages,
             )
