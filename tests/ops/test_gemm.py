@@ -99,7 +99,8 @@ def test_lm_head(target, model, T):
 # Triton's GEMM kinds forced through the tile tables' override hook: pointer-based, persistent TMA,
 # TMA warp-specialised (compiled only), swap AB (the weight as the dot's first operand; INT8's
 # prefill kernel, also for BF16 weights), and the int32-word INT8 GEMV. The small tiles leave partial
-# tiles in every dimension (40 rows, 72 or 36 output features, 200 input features).
+# tiles in every dimension (40 rows, 72 or 36 output features, 200 input features; TMA cannot read
+# an INT8 weight of 200 columns, which takes the pointer kernel, so "swap" also runs 208).
 TRITON_SMALL_VARIANTS = {
     "ptr": {"gemm_bf16": (32, 32, 32, 8, 4, 2, "ptr"), "gemm_int8": (32, 32, 32, 8, 4, 2, "ptr")},
     "swap": {"gemm_bf16": (32, 32, 32, 8, 4, 2, "swap"), "gemm_int8": (16, 32, 32, 8, 4, 2, "swap")},
@@ -133,7 +134,13 @@ TRITON_VARIANTS = {
 @pytest.mark.cases(
     "variant,dt,T,K",
     targets=("triton-interpret",),
-    small=[(v, dt, T, K) for v in TRITON_SMALL_VARIANTS for dt in DTYPES for T in (1, 40) for K in (64, 200)],
+    small=[
+        (v, dt, T, K)
+        for v in TRITON_SMALL_VARIANTS
+        for dt in DTYPES
+        for T in (1, 40)
+        for K in (64, 200) + ((208,) if v == "swap" else ())
+    ],
 )
 def test_triton_variants_small(target, monkeypatch, variant, dt, T, K):
     """The interpreter through each GEMM kind (linear with and without bias, swiglu, float32 logits;
@@ -150,6 +157,26 @@ def test_triton_variants_small(target, monkeypatch, variant, dt, T, K):
     x = torch.randn(T, K).to(dt)
     w = (torch.randn(N, K) / K**0.5).to(dt)
     check_linear_swiglu_lm_head(target.ops, x, w, torch.randn(N).to(dt), TOL[dt], 2 * TOL[dt], LOGITS_TOL)
+
+
+@pytest.mark.cases("T", targets=("triton-interpret",), small=[40])
+def test_triton_swap_without_tma_widens_first(target, monkeypatch, T):
+    """A swap tile needs TMA; where TMA cannot read the activations (rows not 16-byte aligned), the
+    INT8 prefill GEMM takes the table's pointer tile after the widening pass, as the other kinds do,
+    not the pointer kernel converting int8 in every block with the swap tile's sizes."""
+    from tileinfer.ops.triton import gemm
+
+    monkeypatch.setitem(gemm._OVERRIDE, "gemm_int8", (16, 32, 32, 8, 4, 2, "swap"))
+    monkeypatch.setattr(gemm, "INT8_DEQUANT_ROWS", 32)
+    widened = []
+    widen = gemm._widen_int8
+    monkeypatch.setattr(gemm, "_widen_int8", lambda q, dt: widened.append(q.shape) or widen(q, dt))
+    K, N = 64, 72
+    x = torch.randn(T, K + 1)[:, 1:]  # a view whose rows start 4 bytes past 16-byte alignment
+    w = q8(torch.randn(2 * N, K) / K**0.5)
+    close(target.ops.swiglu(x, w), R.swiglu(x, w), TOL[torch.float32], "swiglu")
+    close(target.ops.linear(x, w), R.linear(x, w), TOL[torch.float32], "linear")
+    assert widened == [(2 * N, K), (2 * N, K)]
 
 
 @pytest.mark.cases("variant", targets=("triton",), model=list(TRITON_VARIANTS))

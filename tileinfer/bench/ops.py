@@ -319,7 +319,7 @@ def sweep_families() -> list[Family]:
             long_decode,
             attn("decode_tile"),
         ),
-        Family("triton", "decode attn programs", [264, 528, 1056], long_decode, attn("programs")),
+        Family("triton", "decode attn programs", [264, 528, 792, 1056], long_decode, attn("programs")),
         Family(
             "triton",
             "prefill attn tile",

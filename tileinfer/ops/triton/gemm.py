@@ -23,7 +23,7 @@ the epilogue), with bias, SwiGLU and float32-logit epilogues.
 SwiGLU: the gate and up outputs of the same columns meet in one program and ``silu(gate) * up``
 happens in the epilogue, so the [T, 2 * inter] intermediate never exists. The GEMV and the pointer
 GEMM read tiles whose rows interleave gate row i and up row i; the TMA GEMM loads a gate tile and
-an up tile per k-step into two accumulators.
+an up tile per k-step into two accumulators (swap AB: one 3-D tile of both into one accumulator).
 
 Tile sizes come from small tables per shape class (``_gemv_config``, ``_gemm_config``,
 ``SHAPE_TABLE``), not from autotuning at import time; the entries were chosen from sweeps on the
@@ -451,17 +451,19 @@ GEMV16_INT8 = (32, 256, 4, 4)
 # BLOCK_M is the tile's tokens, BLOCK_N the width of the output tile (for SwiGLU the kernels read
 # twice as many weight rows).
 # ``_gemm_config`` takes the first tile of its list that still makes half a wave of programs on 132
-# SMs (a 1024 x 1024 output has 64 tiles of 128 x 128), unless SHAPE_TABLE names the shape.
+# SMs (a 1024 x 1024 output has 64 tiles of 128 x 128), unless SHAPE_TABLE names the shape. Each list
+# ends with a pointer tile: the fallback where TMA cannot read the tensors (misaligned rows).
 GEMM_TILES = {
     # plain GEMMs: 128 x 256 TMA tiles won every plain shape of the H200 sweep except the 4B qkv
     # (128 x 128 there), even where 80 tiles leave SMs idle (smaller tiles lose more per tile)
     "bf16": [(128, 256, 64, 8, 8, 3, "tma"), (128, 128, 64, 8, 8, 4, "tma_ws"), (64, 128, 64, 8, 4, 4, "ptr")],
     # SwiGLU: two accumulators, so 128 x 128 output tiles (= 256 weight rows); 256 would spill
     "bf16_swiglu": [(128, 128, 64, 8, 8, 4, "tma_ws"), (64, 128, 64, 8, 4, 4, "ptr")],
-    # INT8 weights converted in the kernel (M < INT8_DEQUANT_ROWS): the pointer kernel beat TMA.
-    # SwiGLU takes swap AB (256 tokens x 64 gate + 64 up rows, one dot): 1.09x / 1.19x the BF16 SwiGLU
-    # kernel on the 4B / 8B gate_up at 1k tokens, where widening gave 0.79; on the plain shapes swap
-    # ran at 0.69-0.92x BF16, below the widening pass (h200-2026-12-01-int8-prefill-gemm.md)
+    # INT8 weights converted in the kernel (plain: below INT8_DEQUANT_ROWS; the pointer kernel beat
+    # TMA). SwiGLU takes swap AB at any row count (256 tokens x 64 gate + 64 up rows, one dot):
+    # 1.09x / 1.19x the BF16 SwiGLU kernel on the 4B / 8B gate_up at 1k tokens, where widening gave
+    # 0.79 (timed at 1k only); on the plain shapes swap ran at 0.69-0.92x BF16, below the widening
+    # pass (h200-2026-12-01-int8-prefill-gemm.md)
     "int8": [(128, 128, 64, 8, 8, 3, "ptr"), (64, 128, 64, 8, 4, 4, "ptr")],
     "int8_swiglu": [(256, 64, 64, 8, 8, 3, "swap"), (128, 128, 64, 8, 8, 4, "tma"), (64, 128, 64, 8, 4, 4, "ptr")],
 }
@@ -654,7 +656,10 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
         )
     else:
         cfg = _gemm_config(T, N, int8, K, swiglu)
-        if int8 and T >= INT8_DEQUANT_ROWS and cfg[6:] != ("swap",):
+        swap = cfg[6:] == ("swap",)
+        if swap and not _tma_ok(x, wq):  # swap needs TMA: the table's pointer tile (then widened below)
+            cfg, swap = GEMM_TILES[("int8" if int8 else "bf16") + ("_swiglu" if swiglu else "")][-1], False
+        if int8 and T >= INT8_DEQUANT_ROWS and not swap:
             if not wq.is_contiguous():  # the widening pass reads the weight as one flat block
                 return _reference(op, "INT8 weight not contiguous", x, w, bias)
             wq = _widen_int8(wq, x.dtype)  # exact bf16 copy; the int8 epilogue still scales
