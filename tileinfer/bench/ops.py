@@ -21,7 +21,9 @@ its fraction of the ceiling, and ``vs_torch`` = torch time / backend time (> 1: 
 ``--sweep`` first times the alternative configurations of each backend's kernel families on the
 Qwen3-4B/8B shapes (:func:`sweep_families`: Triton's GEMV, GEMM and attention tiles, from which the
 tables in tileinfer/ops/triton/*.py were chosen; cuTile's skinny-GEMM plans and prefill-attention
-tiles). ``--precompile N`` first compiles every kernel the run launches, sweep configurations
+tiles). Each sweep config's output is first compared with the reference backend's on the same inputs:
+a wrong one (non-finite, or past the op tests' error bound) is logged as WRONG OUTPUT, not timed, and
+never chosen. ``--precompile N`` first compiles every kernel the run launches, sweep configurations
 included, in N processes per backend through :mod:`tileinfer.bench.aot` (compilation dominates a
 cold run otherwise); the run then reports how many cuTile JIT compiles still happened (0 when the
 precompile predicted every launch). Results: DIR/ops.parquet, DIR/ops.md, DIR/targets.md (and
@@ -50,6 +52,7 @@ from tileinfer.bench.aot import Call, compile_calls
 from tileinfer.bench.cases import TARGET_MODELS, Case, model_cases
 from tileinfer.core.errors import UserError
 from tileinfer.core.registry import model_config
+from tileinfer.ops import reference as ref
 
 L2_BYTES = 60 * 2**20
 LINEAR_OPS = ("linear", "swiglu", "lm_head")
@@ -361,11 +364,33 @@ def sweep_cases(fam: Family, models, long_ctx: bool = True) -> list[Case]:
     ]
 
 
+# Relative error (Frobenius) past which a sweep config's output is wrong, by output dtype: the op
+# tests' bounds (a kernel that drops or garbles a tile is off by O(1); NaN and inf always fail).
+SWEEP_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+
+
+def output_error(out, want) -> str:
+    """Why a sweep config's output is not the reference's, or "" when it is: non-finite elements,
+    or a relative error past :data:`SWEEP_TOL`. Outputs that are not floating tensors (sampled
+    tokens) are not checked. Seen: Triton swap-AB tiles of 256 tokens that left NaN or 3-7% errors
+    while timing well (results/h200-2026-12-01-int8-prefill-gemm.md)."""
+    if not (isinstance(out, torch.Tensor) and out.is_floating_point() and isinstance(want, torch.Tensor)):
+        return ""
+    bad = int((~torch.isfinite(out)).sum())
+    if bad:
+        return f"{bad} non-finite elements"
+    err = float((out.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+    tol = SWEEP_TOL.get(out.dtype, 1e-2)
+    return f"relative error {err:.1e} > {tol:g}" if err > tol else ""
+
+
 def run_sweep(
     models, backends: dict, ceil: dict, dev, budget_s: float, families: str = "", long_ctx: bool = True, log=print
 ) -> list[dict]:
     """Time every config of the selected families of ``backends`` ({name: module}) on their cases;
-    one row per (case, config), as the main table's plus family, config and cfg_key (strings)."""
+    one row per (case, config), as the main table's plus family, config, cfg_key (strings) and
+    ``wrong``: each config's output is first compared with the reference backend's on the same
+    inputs (:func:`output_error`); a wrong one is logged, not timed (``us`` NaN), and never wins."""
     rows = []
     t0 = time.perf_counter()
     for fam in select_families(families, backends):
@@ -376,18 +401,24 @@ def run_sweep(
             try:
                 a0 = c.make(dev)
                 sets = [a0] + [c.make(dev) for _ in range(_n_sets(a0) - 1)]
+                want = c.call(ref, a0)
             except torch.cuda.OutOfMemoryError:
                 continue
             for cfg in fam.configs:
                 try:
                     with fam.using(cfg):
-                        us, _ = _median_graph_us(c.fn(ops), sets, 1.0, 5)
+                        wrong = output_error(c.call(ops, a0), want)
+                        us = math.nan if wrong else _median_graph_us(c.fn(ops), sets, 1.0, 5)[0]
                     r = _table_rows(c, fam.backend, us, True, ceil, None)
-                    r.update(family=fam.name, config=str(cfg), cfg_key=str(c.tags.get("cfg_key")))
+                    r.update(family=fam.name, config=str(cfg), cfg_key=str(c.tags.get("cfg_key")), wrong=wrong)
                     rows.append(r)
                     log(
                         f"sweep {fam.name:20s} {str(cfg):24s} {c.model:15s} {c.op:9s} {c.shape:26s} {c.variant:6s} "
-                        f"{us:9.2f} us {100 * r['frac_ceiling']:5.1f}%"
+                        + (
+                            f"WRONG OUTPUT ({wrong}), not timed"
+                            if wrong
+                            else f"{us:9.2f} us {100 * r['frac_ceiling']:5.1f}%"
+                        )
                     )
                 except Exception as e:
                     log(f"sweep {fam.name} {cfg} {c.shape}: {type(e).__name__}: {str(e)[:300]}")
@@ -399,11 +430,13 @@ def run_sweep(
 def sweep_winners(srows: list[dict]) -> dict:
     """Per family: the config with the lowest geometric-mean time over the family's cases (only
     cases every config finished), its score per config, and the per-shape winners (for the notes,
-    and by cfg_key for ``--apply-sweep``)."""
+    and by cfg_key for ``--apply-sweep``). A config whose output was wrong on any case is out."""
     best = {}
     for fam in sweep_families():
         rs = [r for r in srows if r["family"] == fam.name]
-        configs = {str(cfg): cfg for cfg in fam.configs}
+        wrong = {r["config"] for r in rs if r.get("wrong")}
+        rs = [r for r in rs if r["config"] not in wrong]
+        configs = {str(cfg): cfg for cfg in fam.configs if str(cfg) not in wrong}
 
         def shape(r):
             return r["model"], r["shape"], r["variant"]
