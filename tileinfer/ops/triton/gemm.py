@@ -511,6 +511,11 @@ def _gemv_config(rows: int, int8: bool, n: int, k: int) -> tuple:
     return GEMV16_INT8 if int8 else GEMV16_BF16
 
 
+def _gemm_tiles(int8: bool, swiglu: bool) -> list[tuple]:
+    """The GEMM_TILES list for the weight type and epilogue (its last entry a pointer tile)."""
+    return GEMM_TILES[("int8" if int8 else "bf16") + ("_swiglu" if swiglu else "")]
+
+
 def _gemm_config(M: int, n_out: int, int8: bool, k: int = 0, swiglu: bool = False) -> tuple:
     """The GEMM tile for an [M, n_out] output: an override or per-shape entry, else the first tile
     of the table that makes at least half a wave of programs (small outputs take smaller tiles)."""
@@ -518,7 +523,7 @@ def _gemm_config(M: int, n_out: int, int8: bool, k: int = 0, swiglu: bool = Fals
     o = _override(key, (M, n_out, k))
     if o is not None:
         return o
-    table = GEMM_TILES[("int8" if int8 else "bf16") + ("_swiglu" if swiglu else "")]
+    table = _gemm_tiles(int8, swiglu)
     for cfg in table:
         if cdiv(M, cfg[0]) * cdiv(n_out, cfg[1]) >= NUM_SMS // 2:
             return cfg
@@ -658,7 +663,7 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
         cfg = _gemm_config(T, N, int8, K, swiglu)
         swap = cfg[6:] == ("swap",)
         if swap and not _tma_ok(x, wq):  # swap needs TMA: the table's pointer tile (then widened below)
-            cfg, swap = GEMM_TILES[("int8" if int8 else "bf16") + ("_swiglu" if swiglu else "")][-1], False
+            cfg, swap = _gemm_tiles(int8, swiglu)[-1], False
         if int8 and T >= INT8_DEQUANT_ROWS and not swap:
             if not wq.is_contiguous():  # the widening pass reads the weight as one flat block
                 return _reference(op, "INT8 weight not contiguous", x, w, bias)
