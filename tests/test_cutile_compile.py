@@ -51,6 +51,7 @@ def test_variants_cover_every_kernel():
         "gemm_swiglu_kernel",
         "prefill_attention_kernel",
         "decode_split_kernel",
+        "decode_split_int8_kernel",
         "decode_combine_kernel",
         "argmax_partial_kernel",
         "argmax_final_kernel",

@@ -5,9 +5,10 @@ scattered through a pool whose other slots are NaN (or NaN-scaled) poison, the b
 page longer than the context. Small (interpreter): float32 and bf16 queries over BF16 and INT8
 caches, GQA ratios 1 to 8, head_dim 16 to 64, pages of 8 to 32, decode (1 row), verify (5, 16) and
 prefill chunks (33 to 70 rows), within ``TOL``; and Qwen3-8B's heads at 1200 and 2500 positions
-(pages of 64, 19 and 40 decode splits). Model (GPU): bf16 at every registered model's heads
-and the synthetic GQA shapes, pages of 64, contexts 1 to 32k (prefill chunks up to 8192 rows),
-within 1e-2.
+(pages of 64, 19 and 40 decode splits). Model
+(GPU): bf16 at every registered model's heads and the synthetic GQA shapes, pages of 64, contexts 1
+to 32k (prefill chunks up to 8192 rows), within 1e-2; cuTile's INT8 decode with its word kernel
+and without.
 """
 
 from __future__ import annotations
@@ -139,6 +140,38 @@ def test_decode_splits_of_unequal_length(target, monkeypatch, cache, L, programs
     q = torch.randn(3, 8, 64, device=dev).to(dt)
     pos = torch.arange(L - 3, L, dtype=torch.int32, device=dev)
     close(target.ops.attention(q, layer, bt, pos, 0.125), R.attention(q, layer, bt, pos, 0.125), TOL[dt])
+
+
+@pytest.mark.cases(
+    "T,start,kvh,group,d,page",
+    model=[
+        pytest.param(T, start, kvh, group, d, 64, id=f"{name}-T{T}-at{start}")
+        for name, (kvh, group, d) in {"qwen3-8b": (8, 4, 128), "qwen3-0.6b": (8, 2, 128), "h64": (2, 8, 64)}.items()
+        for T, start in ((1, 0), (1, 777), (1, 32767), (4, 995), (16, 5000))
+    ],
+    targets=("cutile",),
+)
+def test_cutile_int8_decode_words_and_mma(target, monkeypatch, T, start, kvh, group, d, page):
+    """cuTile's split-KV decode over an INT8 cache read as int32 words (``DECODE_INT8_WORDS``: one
+    query row, head_dim 128) and through the mma path: both against the reference, and the flag
+    changes the result exactly where the word kernel applies."""
+    from tileinfer.ops.cutile import paged_attention
+
+    dt, dev = torch.bfloat16, target.device
+    H, L = kvh * group, start + T
+    _, layer, bt = filled_cache(L, page, kvh, d, dt, True, dev)
+    q = torch.randn(T, H, d, device=dev).to(dt)
+    pos = torch.arange(start, L, dtype=torch.int32, device=dev)
+    want = R.attention(q, layer, bt, pos, d**-0.5)
+    tp, gp = paged_attention.decode_rows(T, group)
+    applies = paged_attention._int8_words(dt, T, tp * gp, d)  # with the flag as shipped (on)
+    assert applies == (T == 1 and d == 128)
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(paged_attention, "DECODE_INT8_WORDS", on)
+        got[on] = target.ops.attention(q, layer, bt, pos, d**-0.5)
+        close(got[on], want, TOL[dt], f"DECODE_INT8_WORDS={on}")
+    assert torch.equal(got[True], got[False]) != applies, "the flag did not switch exactly where it applies"
 
 
 # ---------------------------------------------------------------------------- the reference itself

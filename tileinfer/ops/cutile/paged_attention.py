@@ -15,8 +15,9 @@ a CUDA graph at any length; grids depend only on shapes.
   kernel merges the splits' (max, sum, output) triples.
 
 INT8 caches are never dequantized to memory: the key scale multiplies its column of scores, the
-value scale its probability (TileInfer.jl's INT8 KV cache), and int8 tiles are converted to the
-query dtype in registers for the tensor cores.
+value scale its probability (TileInfer.jl's INT8 KV cache). Prefill converts int8 tiles to the
+query dtype in registers for the tensor cores; bf16 decode reads them as int32 words instead
+(:func:`decode_split_int8_kernel`, one query row).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ from tileinfer.ops.cutile._common import (
 DECODE_ROWS = 16  # T <= this: split-KV decode kernels; larger T: prefill kernel
 PREFILL_TM = 128  # query rows per prefill block
 MAX_SPLITS = 128
+# INT8 decode through decode_split_int8_kernel where it applies (see _int8_words); False: the
+# conversion path, for A/B runs (benchmarks/decode_ab.py --variant).
+DECODE_INT8_WORDS = True
 _BIG = 1 << 30
 _NEG_INF = -math.inf
 
@@ -171,6 +175,113 @@ def decode_split_kernel(
     ct.store(lp, (s, 0, 0), ct.reshape(l_i, (1, TP, GP)))
 
 
+# ------------------------------------------------------- INT8 decode without int8 -> bf16 conversion
+#
+# The mma path above converts each int8 key and value to bf16 in registers (I2F after byte loads
+# from a transposed int8 tile in shared memory): that conversion, not memory, bounds its INT8
+# decode (benchmarks/cutile-NOTES.md). Here the pages are read as int32 words (4 values each: byte
+# i of word j is element 4j + i) and each byte becomes its exact float32 value by a shift, one LOP3
+# and one FADD (FasterTransformer's magic-number conversion: the byte with its sign bit flipped,
+# OR-ed into the mantissa of 2^23, minus 2^23 + 128). Each byte plane is one tf32 mma: scores
+# sum_i q[:, i::4] @ K[:, i::4]^T, and outputs acc_i = (p * vs) @ V[:, i::4], stored interleaved.
+# tf32 is exact for int8 values and bf16 queries; p * vs rounds to tf32's 10 bits, finer than the
+# mma path's bf16. Four separate 2-D mmas, not one batched 3-D mma: a batched one replicates the
+# softmax state per plane and spills.
+
+
+def _byte(w, i: int):
+    """Byte ``i`` of each int32 word of ``w`` as its exact float32 value (-128..127)."""
+    u = w if i == 0 else w >> (8 * i)
+    return ct.astype(ct.bitcast((u & 0xFF) ^ 0x4B000080, ct.float32) - 8388736.0, ct.tfloat32)
+
+
+def _plane(t4, i: int, M: int, DW: int):
+    """Plane ``i`` [M, DW] of a [4, M, DW] tile."""
+    return ct.reshape(ct.extract(t4, (i, 0, 0), shape=(1, M, DW)), (M, DW))
+
+
+@ct.kernel
+def decode_split_int8_kernel(
+    q,
+    kw,
+    vw,
+    ks,
+    vs,
+    bt,
+    pos,
+    o_part,
+    m_part,
+    l_part,
+    scale2: float,
+    TP: ConstInt,
+    GP: ConstInt,
+    DW: ConstInt,
+    PS: ConstInt,
+):
+    """Split-KV decode over an INT8 cache read as words: as :func:`decode_split_kernel`, but kw, vw
+    are the int8 pools viewed as int32 [pages, kv_heads, page_size, head_dim / 4] and o_part is
+    [splits, T, heads, head_dim / 4, 4] (the same memory as [splits, T, heads, head_dim])."""
+    pdl_prologue()
+    h = ct.bid(0)
+    s = ct.bid(1)
+    S = ct.num_blocks(1)
+    G = q.shape[1] // kw.shape[1]
+    T = q.shape[0]
+    M = TP * GP
+    D = 4 * DW
+    qh = q.slice(axis=1, start=h * G, stop=h * G + G)
+    qt = ct.astype(ct.reshape(ct.load(qh, (0, 0, 0), shape=(TP, GP, D), padding_mode=ZERO), (M, D)), ct.float32)
+    q4 = ct.astype(ct.permute(ct.reshape(qt, (M, DW, 4)), (2, 0, 1)), ct.tfloat32)  # plane i: q[:, i::4]
+    q0, q1, q2, q3 = _plane(q4, 0, M, DW), _plane(q4, 1, M, DW), _plane(q4, 2, M, DW), _plane(q4, 3, M, DW)
+    posv = ct.load(pos, (0,), shape=(TP,), padding_mode=ZERO)
+    rows = ct.arange(TP, dtype=ct.int32)
+    pmin = ct.min(ct.where(rows < T, posv, _BIG))
+    L = ct.max(posv) + 1
+    qpos = ct.reshape(ct.broadcast_to(ct.reshape(posv, (TP, 1)), (TP, GP)), (M, 1))
+    n_pages = ct.cdiv(L, PS)
+    per = ct.cdiv(n_pages, S)
+    p0 = s * per
+    p1 = min(p0 + per, n_pages)
+    m_i = ct.full((M, 1), _NEG_INF, ct.float32)
+    l_i = ct.zeros((M, 1), ct.float32)
+    a0 = ct.zeros((M, DW), ct.float32)
+    a1, a2, a3 = a0, a0, a0
+    for pi in range(p0, p1):
+        page = ct.load(bt, (pi,), shape=())
+        kt = ct.reshape(ct.load(kw, (page, h, 0, 0), shape=(1, 1, DW, PS), order=(0, 1, 3, 2), latency=8), (DW, PS))
+        sc = ct.mma(q0, _byte(kt, 0), ct.zeros((M, PS), ct.float32))
+        sc = ct.mma(q1, _byte(kt, 1), sc)
+        sc = ct.mma(q2, _byte(kt, 2), sc)
+        sc = ct.mma(q3, _byte(kt, 3), sc)
+        sc = sc * ct.reshape(ct.load(ks, (page, h, 0), shape=(1, 1, PS)), (1, PS)) * scale2
+        kpos = pi * PS + ct.arange(PS, dtype=ct.int32)
+        visible = ct.reshape(kpos, (1, PS)) <= qpos
+        if (pi + 1) * PS - 1 > pmin:
+            sc = ct.where(visible, sc, _NEG_INF)
+        m_new = ct.maximum(m_i, ct.max(sc, axis=1, keepdims=True))
+        m_safe = ct.where(m_new == _NEG_INF, 0.0, m_new)  # a row with no visible key yet
+        p = ct.exp2(sc - m_safe)
+        alpha = ct.exp2(m_i - m_safe)
+        l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
+        pv = p * ct.reshape(ct.load(vs, (page, h, 0), shape=(1, 1, PS)), (1, PS))
+        pv = ct.astype(ct.where(visible, pv, 0.0), ct.tfloat32)  # 0 * a garbage scale past the context
+        vt = ct.reshape(ct.load(vw, (page, h, 0, 0), shape=(1, 1, PS, DW), latency=8), (PS, DW))
+        a0 = ct.mma(pv, _byte(vt, 0), a0 * alpha)
+        a1 = ct.mma(pv, _byte(vt, 1), a1 * alpha)
+        a2 = ct.mma(pv, _byte(vt, 2), a2 * alpha)
+        a3 = ct.mma(pv, _byte(vt, 3), a3 * alpha)
+        m_i = m_new
+    op = o_part.slice(axis=2, start=h * G, stop=h * G + G)
+    ct.store(op, (s, 0, 0, 0, 0), ct.reshape(a0, (1, TP, GP, DW, 1)))
+    ct.store(op, (s, 0, 0, 0, 1), ct.reshape(a1, (1, TP, GP, DW, 1)))
+    ct.store(op, (s, 0, 0, 0, 2), ct.reshape(a2, (1, TP, GP, DW, 1)))
+    ct.store(op, (s, 0, 0, 0, 3), ct.reshape(a3, (1, TP, GP, DW, 1)))
+    mp = m_part.slice(axis=2, start=h * G, stop=h * G + G)
+    ct.store(mp, (s, 0, 0), ct.reshape(m_i, (1, TP, GP)))
+    lp = l_part.slice(axis=2, start=h * G, stop=h * G + G)
+    ct.store(lp, (s, 0, 0), ct.reshape(l_i, (1, TP, GP)))
+
+
 @ct.kernel
 def decode_combine_kernel(o_part, m_part, l_part, out, SP: ConstInt, D: ConstInt):
     """Merge the splits of one (query row, head): out = sum_s w_s acc_s / sum_s w_s l_s."""
@@ -200,6 +311,15 @@ def decode_rows(T: int, group: int) -> tuple[int, int]:
     if tp * gp < 16:
         tp = 16 // gp
     return tp, gp
+
+
+def _int8_words(dtype: torch.dtype, T: int, rows: int, D: int) -> bool:
+    """Whether decode over an INT8 cache takes :func:`decode_split_int8_kernel`: bf16 queries (tf32
+    holds them exactly, not float16 or float32), one query row padded to at most 16 (T = 1), and
+    head_dim 128. Outside these its sm_90 build spills (``python -m tileinfer.bench.aot --backend
+    cutile --sass --filter decode_split``: 344-392 bytes of stack for head_dim 64, or for T > 1,
+    whose size is then not a compile-time constant), and the mma path takes them."""
+    return DECODE_INT8_WORDS and dtype == torch.bfloat16 and T == 1 and rows <= 16 and D == 128
 
 
 def _unsupported(D: int, PS: int, block_table: torch.Tensor, positions: torch.Tensor) -> str | None:
@@ -250,11 +370,14 @@ def attention(
         o_part = workspace("attn_o", (S, T, H, D), torch.float32, q.device)
         m_part = workspace("attn_m", (S, T, H), torch.float32, q.device)
         l_part = workspace("attn_l", (S, T, H), torch.float32, q.device)
-        launch(
-            decode_split_kernel,
-            (KVH, S, 1),
-            (q, layer.k, layer.v, ks, vs, block_table, positions, o_part, m_part, l_part, scale2, tp, gp, D, PS, int8),
-        )
+        parts = (m_part, l_part, scale2, tp, gp)
+        if int8 and _int8_words(q.dtype, T, tp * gp, D):
+            kw, vw, o5 = layer.k.view(torch.int32), layer.v.view(torch.int32), o_part.view(S, T, H, D // 4, 4)
+            args = (q, kw, vw, ks, vs, block_table, positions, o5, *parts, D // 4, PS)
+            launch(decode_split_int8_kernel, (KVH, S, 1), args)
+        else:
+            args = (q, layer.k, layer.v, ks, vs, block_table, positions, o_part, *parts, D, PS, int8)
+            launch(decode_split_kernel, (KVH, S, 1), args)
         launch(decode_combine_kernel, (T, H, 1), (o_part, m_part, l_part, out, S, D))
         return out
     launch(
