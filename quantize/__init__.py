@@ -10,17 +10,27 @@ This package imports the engine (``tileinfer``); the engine never imports it.
 """
 
 from quantize.checkpoint import kv_int8_of, quantization_config, write_checkpoint
-from quantize.scheme import DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantScheme, apply, calibration_text
+from quantize.scheme import (
+    DEFAULT_CALIBRATION_TOKENS,
+    NAMED,
+    PRECISIONS,
+    QuantScheme,
+    apply,
+    calibration_text,
+    named_scheme,
+)
 from quantize.smoothing import DEFAULT_ALPHA
 
 __all__ = [
     "DEFAULT_ALPHA",
     "DEFAULT_CALIBRATION_TOKENS",
+    "NAMED",
     "PRECISIONS",
     "QuantScheme",
     "apply",
     "calibration_text",
     "kv_int8_of",
+    "named_scheme",
     "quantization_config",
     "write_checkpoint",
 ]

@@ -89,6 +89,28 @@ class QuantScheme:
         )
 
 
+# The presets of conf/quant/*.yaml by name, (weights, kv_cache), for the benchmarks whose --quants
+# lists name them without a Hydra config (tests/quantize checks they agree with the YAML files).
+NAMED = {
+    "bf16": ("bf16", "bf16"),
+    "int8_weights": ("int8", "bf16"),
+    "int8_kv": ("bf16", "int8"),
+    "int8_both": ("int8", "int8"),
+}
+
+
+def named_scheme(name: str) -> QuantScheme:
+    """The unsmoothed :class:`QuantScheme` of the preset ``name`` (:data:`NAMED`).
+
+    Raises:
+        UserError: ``name`` is not a preset.
+    """
+    if name not in NAMED:
+        raise UserError(f"unknown quantization {name!r}; known: {', '.join(NAMED)}")
+    weights, kv_cache = NAMED[name]
+    return QuantScheme(weights, kv_cache, smooth_keys=False)
+
+
 def calibration_text(path: str | None) -> str:
     """The calibration text: the file at ``path``, or the built-in one when None.
 

@@ -213,3 +213,32 @@ def test_write_checkpoint_atomic_and_force(tmp_path):
     for name, t in sd.items():
         expected = t if t.dtype == torch.int8 or name.endswith("_scale") else t.to(torch.bfloat16)
         assert torch.equal(back.state_dict[name], expected), name
+
+
+def test_named_presets_are_the_conf_quant_files():
+    """quantize.NAMED (the benchmarks' --quants) and conf/quant/*.yaml name the same presets with
+    the same precisions, and an unknown name is refused rather than run as some other preset."""
+    import yaml
+
+    from quantize import NAMED, named_scheme
+
+    files = {
+        p.stem: yaml.safe_load(p.read_text()) for p in (Path(__file__).parents[1] / "conf" / "quant").glob("*.yaml")
+    }
+    assert set(files) == set(NAMED)
+    for name, y in files.items():
+        s = named_scheme(name)
+        assert (s.weights, s.kv_cache) == (y["weights"], y["kv_cache"]) == NAMED[name], name
+        assert not s.smoothing
+    with pytest.raises(UserError, match="unknown quantization 'int8'"):
+        named_scheme("int8")
+
+
+def test_bench_decode_refuses_an_unknown_quant(capsys):
+    """``--quants int8_weight`` (a typo) ends with one usage line, not a BF16 run under that name."""
+    from tileinfer.bench import decode
+
+    with pytest.raises(SystemExit) as e:
+        decode.main(["--quants", "bf16,int8_weight"])
+    assert e.value.code == 2
+    assert "unknown int8_weight" in capsys.readouterr().err

@@ -2,8 +2,9 @@
 
 For random-weight models with the shapes of registered models (the ``config`` of
 ``conf/model/NAME.yaml``, :func:`tileinfer.core.registry.model_config`; decode speed does not depend
-on the values), BF16 and INT8 (weights and KV cache), each fast backend and each context
-length: a prefill fills the cache with ``ctx`` tokens, then ``steps`` decode steps are timed twice on
+on the values), each quantization preset of conf/quant (``--quants`` of bf16, int8_weights,
+int8_kv, int8_both), each fast backend and each context length: a prefill fills the cache with
+``ctx`` tokens, then ``steps`` decode steps are timed twice on
 the same runner, eager (one Python launch per op: ``ModelRunner.step``), replayed from the
 runner's captured CUDA graph (``ModelRunner.decode``) with tokens fed from a fixed list, so no step
 waits on the host, and from the graph that ends in the argmax (``ModelRunner.decode_greedy``), the
@@ -25,7 +26,7 @@ import time
 
 import torch
 
-from quantize import QuantScheme, apply
+from quantize import NAMED, apply, named_scheme
 from tileinfer.bench.ops import measure_ceilings, save
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.registry import model_config, model_entry
@@ -79,13 +80,14 @@ def bench_model(
     tokens = torch.randint(0, config.vocab_size, (max(contexts) + steps + 2,), generator=g).tolist()
     rows = []
     for quant in quants:
-        int8 = quant == "int8_both"
-        weights = apply(sd, config, QuantScheme("int8", "int8", smooth_keys=False))[0] if int8 else sd
+        scheme = named_scheme(quant)
+        int8_kv = scheme.kv_cache == "int8"
+        weights = sd if scheme.weights == "bf16" else apply(sd, config, scheme)[0]
         model = Transformer.from_state_dict(config, weights, device="cuda")
         del weights
         for backend in backends:
             for ctx in contexts:
-                runner = ModelRunner(model, backend, kv_int8=int8, max_seq_len=ctx + steps + 2, cuda_graph=True)
+                runner = ModelRunner(model, backend, kv_int8=int8_kv, max_seq_len=ctx + steps + 2, cuda_graph=True)
                 if not runner.cuda_graph:
                     raise RuntimeError(f"backend {backend} is not capturable in a CUDA graph")
                 seq = runner.new_sequence()
@@ -119,11 +121,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tileinfer.bench.decode", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-0.6b-random,qwen3-4b-random,qwen3-8b-random")
     p.add_argument("--backends", default="triton,cutile")
-    p.add_argument("--quants", default="bf16,int8_both")
+    p.add_argument("--quants", default="bf16,int8_both", help=f"of {', '.join(NAMED)}")
     p.add_argument("--contexts", default="1024,8192,32768")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per row")
     p.add_argument("--out", default="runs/bench", help="folder for decode.md and decode.parquet")
     a = p.parse_args(argv)
+    unknown = set(a.quants.split(",")) - set(NAMED)
+    if unknown:
+        p.error(f"--quants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(NAMED)}")
     if not torch.cuda.is_available():
         print("no CUDA device: the decode benchmark needs a GPU", file=sys.stderr)
         return 2

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from quantize import QuantScheme, apply
+from quantize import NAMED, apply, named_scheme
 from tileinfer.bench.ops import save
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tileinfer.bench.sweep_cost", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="a registered model (its shapes)")
     p.add_argument("--ctx", default="1024,8192,32768", help="comma-separated prompt lengths")
-    p.add_argument("--quant", default="int8_both", help="candidate: bf16, int8_weights, int8_kv or int8_both")
+    p.add_argument("--quant", default="int8_both", choices=list(NAMED), help="the candidate's preset")
     p.add_argument("--n-score", type=int, default=1024)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--decode-repeats", type=int, default=5, help="speed.repeats")
@@ -94,9 +94,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results", help="folder for the table")
     p.add_argument("--name", default=None, help="file name of the table (default sweep-cost-MODEL-DEVICE)")
     args = p.parse_args(argv)
-    weights, kv = {"bf16": ("bf16", "bf16"), "int8_weights": ("int8", "bf16"), "int8_kv": ("bf16", "int8")}.get(
-        args.quant, ("int8", "int8")
-    )
     hf = model_entry(args.model)["config"]
     cfg = ModelConfig.from_hf(hf)
     sd = random_state_dict(hf, seed=0, dtype=torch.bfloat16)
@@ -106,11 +103,11 @@ def main(argv=None) -> int:
     max_len = max(ctxs) + tail
     kw = dict(max_seq_len=max_len, prefill_chunk=args.prefill_chunk)
     base_model = Transformer.from_state_dict(cfg, sd, dtype=torch.bfloat16)
-    scheme = QuantScheme(weights, kv, smooth_keys=False)
+    scheme = named_scheme(args.quant)
     cand_sd, _ = apply(sd, cfg, scheme)
     cand_model = Transformer.from_state_dict(cfg, cand_sd, dtype=torch.bfloat16)
     base = ModelRunner(base_model, "reference", **kw)
-    cand = ModelRunner(cand_model, "reference", kv_int8=kv == "int8", **kw)
+    cand = ModelRunner(cand_model, "reference", kv_int8=scheme.kv_cache == "int8", **kw)
     rows = []
     for ctx in ctxs:
         stages = job_seconds(base, cand, ctx, args.n_score, args.decode_tokens, args.decode_repeats)

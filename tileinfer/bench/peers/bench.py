@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from quantize import QuantScheme, apply
+from quantize import apply, named_scheme
 from tileinfer.bench.decode import bytes_per_step, time_steps
 from tileinfer.bench.ops import measure_ceilings, save
 from tileinfer.bench.peers import gptfast, hf
@@ -183,7 +183,7 @@ def bench_model(name: str, a, copy_GBps: float, torchao_skip: str | None, rows: 
     for quant in a.quants.split(","):
         if quant not in QUANTS:
             raise ValueError(f"unknown quant {quant!r}; known: {', '.join(QUANTS)}")
-        weights = sd if quant == "bf16" else apply(sd, config, QuantScheme("int8", "bf16", smooth_keys=False))[0]
+        weights = sd if quant == "bf16" else apply(sd, config, named_scheme(quant))[0]
         roof = {}
 
         def add(peer, ctx, dt, setup, error):
