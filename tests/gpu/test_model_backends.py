@@ -33,17 +33,21 @@ def checkpoint():
     return Checkpoint(None, ModelConfig.from_hf(MODEL), MODEL, sd)
 
 
+@pytest.mark.parametrize("chunk", [512, 1], ids=["prefill", "decode"])
 @pytest.mark.parametrize("quant", ["bf16", "int8_both"])
 @pytest.mark.parametrize("backend", ["triton", "cutile"])
-def test_backend_logits_pass_the_gate_against_the_reference_backend(checkpoint, backend, quant):
+def test_backend_logits_pass_the_gate_against_the_reference_backend(checkpoint, backend, quant, chunk):
+    """Scored in prefill chunks of 512 rows (the sweep's scoring), and one position a step (chunk 1:
+    the decode kernels, T = 1: GEMV, split-KV attention, cuTile's INT8 word kernel)."""
     int8 = quant == "int8_both"
     sd = apply(checkpoint, None, QuantScheme("int8", "int8", smooth_keys=False))[0] if int8 else checkpoint.state_dict
     model = Transformer.from_state_dict(checkpoint.config, sd, device="cuda")
     g = torch.Generator().manual_seed(1)
     stream = drift.Stream(tuple(torch.randint(0, MODEL["vocab_size"], (1280,), generator=g).tolist()), 1024)
     ref = drift.full_logits(ModelRunner(model, "reference", kv_int8=int8, max_seq_len=1280), stream)
-    stats, _ = drift.score(ModelRunner(model, backend, kv_int8=int8, max_seq_len=1280), ref, decode_steps=0)
-    print(f"{backend} {quant}: mean KL {stats['kl_mean']:.2e}, top-1 {stats['top1_agree']:.4f}")
+    runner = ModelRunner(model, backend, kv_int8=int8, max_seq_len=1280, prefill_chunk=chunk)
+    stats, _ = drift.score(runner, ref, decode_steps=0)
+    print(f"{backend} {quant} chunk {chunk}: mean KL {stats['kl_mean']:.2e}, top-1 {stats['top1_agree']:.4f}")
     row = dict(stats, prompt_set="random", dtype="bfloat16", kv_cache="int8" if int8 else "bf16")
     assert [v for v in gate.kernel_checks(row, GATE) if v["verdict"] == gate.FAIL] == []
 
