@@ -122,6 +122,28 @@ def prefill_attention_kernel(
     ct.store(out, (mb, hq, 0), ct.reshape(ct.astype(o, out.dtype), (TM, 1, D)))
 
 
+def _split_pages(pos, T, s, S: int, TP: int, GP: int, PS: int):
+    """A decode split's share of the pages: (smallest query position, context length, each tile
+    row's query position [TP * GP, 1], first page, end page) of split ``s`` of ``S``."""
+    posv = ct.load(pos, (0,), shape=(TP,), padding_mode=ZERO)
+    rows = ct.arange(TP, dtype=ct.int32)
+    pmin = ct.min(ct.where(rows < T, posv, _BIG))
+    L = ct.max(posv) + 1
+    qpos = ct.reshape(ct.broadcast_to(ct.reshape(posv, (TP, 1)), (TP, GP)), (TP * GP, 1))
+    n_pages = ct.cdiv(L, PS)
+    per = ct.cdiv(n_pages, S)
+    p0 = s * per
+    return pmin, L, qpos, p0, min(p0 + per, n_pages)
+
+
+def _store_stats(m_part, l_part, m_i, l_i, s, h, G, TP: int, GP: int):
+    """Store a split's running max and sum [TP * GP, 1] for the G query heads of KV head h."""
+    mp = m_part.slice(axis=2, start=h * G, stop=h * G + G)
+    ct.store(mp, (s, 0, 0), ct.reshape(m_i, (1, TP, GP)))
+    lp = l_part.slice(axis=2, start=h * G, stop=h * G + G)
+    ct.store(lp, (s, 0, 0), ct.reshape(l_i, (1, TP, GP)))
+
+
 @ct.kernel
 def decode_split_kernel(
     q,
@@ -150,15 +172,7 @@ def decode_split_kernel(
     M = TP * GP
     qh = q.slice(axis=1, start=h * G, stop=h * G + G)
     qt = ct.reshape(ct.load(qh, (0, 0, 0), shape=(TP, GP, D), padding_mode=ZERO), (M, D))
-    posv = ct.load(pos, (0,), shape=(TP,), padding_mode=ZERO)
-    rows = ct.arange(TP, dtype=ct.int32)
-    pmin = ct.min(ct.where(rows < T, posv, _BIG))
-    L = ct.max(posv) + 1
-    qpos = ct.reshape(ct.broadcast_to(ct.reshape(posv, (TP, 1)), (TP, GP)), (M, 1))
-    n_pages = ct.cdiv(L, PS)
-    per = ct.cdiv(n_pages, S)
-    p0 = s * per
-    p1 = min(p0 + per, n_pages)
+    pmin, L, qpos, p0, p1 = _split_pages(pos, T, s, S, TP, GP, PS)
     m_i = ct.full((M, 1), _NEG_INF, ct.float32)
     l_i = ct.zeros((M, 1), ct.float32)
     acc = ct.zeros((M, D), ct.float32)
@@ -169,10 +183,7 @@ def decode_split_kernel(
         )
     op = o_part.slice(axis=2, start=h * G, stop=h * G + G)
     ct.store(op, (s, 0, 0, 0), ct.reshape(acc, (1, TP, GP, D)))
-    mp = m_part.slice(axis=2, start=h * G, stop=h * G + G)
-    ct.store(mp, (s, 0, 0), ct.reshape(m_i, (1, TP, GP)))
-    lp = l_part.slice(axis=2, start=h * G, stop=h * G + G)
-    ct.store(lp, (s, 0, 0), ct.reshape(l_i, (1, TP, GP)))
+    _store_stats(m_part, l_part, m_i, l_i, s, h, G, TP, GP)
 
 
 # ------------------------------------------------------- INT8 decode without int8 -> bf16 conversion
@@ -233,15 +244,7 @@ def decode_split_int8_kernel(
     qt = ct.astype(ct.reshape(ct.load(qh, (0, 0, 0), shape=(TP, GP, D), padding_mode=ZERO), (M, D)), ct.float32)
     q4 = ct.astype(ct.permute(ct.reshape(qt, (M, DW, 4)), (2, 0, 1)), ct.tfloat32)  # plane i: q[:, i::4]
     q0, q1, q2, q3 = _plane(q4, 0, M, DW), _plane(q4, 1, M, DW), _plane(q4, 2, M, DW), _plane(q4, 3, M, DW)
-    posv = ct.load(pos, (0,), shape=(TP,), padding_mode=ZERO)
-    rows = ct.arange(TP, dtype=ct.int32)
-    pmin = ct.min(ct.where(rows < T, posv, _BIG))
-    L = ct.max(posv) + 1
-    qpos = ct.reshape(ct.broadcast_to(ct.reshape(posv, (TP, 1)), (TP, GP)), (M, 1))
-    n_pages = ct.cdiv(L, PS)
-    per = ct.cdiv(n_pages, S)
-    p0 = s * per
-    p1 = min(p0 + per, n_pages)
+    pmin, _, qpos, p0, p1 = _split_pages(pos, T, s, S, TP, GP, PS)
     m_i = ct.full((M, 1), _NEG_INF, ct.float32)
     l_i = ct.zeros((M, 1), ct.float32)
     a0 = ct.zeros((M, DW), ct.float32)
@@ -276,10 +279,7 @@ def decode_split_int8_kernel(
     ct.store(op, (s, 0, 0, 0, 1), ct.reshape(a1, (1, TP, GP, DW, 1)))
     ct.store(op, (s, 0, 0, 0, 2), ct.reshape(a2, (1, TP, GP, DW, 1)))
     ct.store(op, (s, 0, 0, 0, 3), ct.reshape(a3, (1, TP, GP, DW, 1)))
-    mp = m_part.slice(axis=2, start=h * G, stop=h * G + G)
-    ct.store(mp, (s, 0, 0), ct.reshape(m_i, (1, TP, GP)))
-    lp = l_part.slice(axis=2, start=h * G, stop=h * G + G)
-    ct.store(lp, (s, 0, 0), ct.reshape(l_i, (1, TP, GP)))
+    _store_stats(m_part, l_part, m_i, l_i, s, h, G, TP, GP)
 
 
 @ct.kernel
