@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from evals.base_logits import FullLogits, TopKLogits
 from evals.metrics import summarize
@@ -80,8 +81,14 @@ def test_topk_tail_estimate_is_a_lower_bound_that_tightens_with_k(real_distribut
 
 
 def test_stored_reference_matches_the_engine_today(real_distributions):
-    """The committed reference was recorded by this engine: recomputing it gives the same top-k."""
+    """The committed reference was recorded by this engine: recomputing it agrees within the gate's
+    BF16 kernel bounds (conf/gate.yaml), not bit for bit. torch's bf16 matmul on the CPU differs by
+    instruction set: on an AVX2-only machine (2026-12-02) the stored top-8 came back reordered at
+    near-ties on 70 of 128 positions, log-probabilities 0.07 nats apart on average."""
     full, _ = real_distributions
     stored = TopKLogits.load(STORED.format("edit"))
-    assert torch.equal(full.to_topk(stored.k).topk_ids[:, :8], stored.topk_ids[:, :8])
+    s = summarize(stored.position_metrics(0, full.logits))
+    bound = OmegaConf.load("conf/gate.yaml").gate.bounds.bfloat16
+    print(f"stored against today: mean KL {s['kl_mean']:.2e}, top-1 {s['top1_agree']:.4f}")
+    assert s["kl_mean"] <= bound.kl_mean and s["top1_agree"] >= bound.top1_agree, s
     assert isinstance(full, FullLogits)
