@@ -89,8 +89,9 @@ class QuantScheme:
         )
 
 
-# The presets of conf/quant/*.yaml by name, (weights, kv_cache), for the benchmarks whose --quants
-# lists name them without a Hydra config (tests/quantize checks they agree with the YAML files).
+# The presets of conf/quant/*.yaml by name, (weights, kv_cache): the sweep's check of a named config
+# (tileinfer.jobs.schema) and the benchmarks' --quants lists, which name them without a Hydra config
+# (tests/test_quantize.py checks they agree with the YAML files).
 NAMED = {
     "bf16": ("bf16", "bf16"),
     "int8_weights": ("int8", "bf16"),

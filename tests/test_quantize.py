@@ -234,11 +234,24 @@ def test_named_presets_are_the_conf_quant_files():
         named_scheme("int8")
 
 
-def test_bench_decode_refuses_an_unknown_quant(capsys):
-    """``--quants int8_weight`` (a typo) ends with one usage line, not a BF16 run under that name."""
-    from tileinfer.bench import decode
+@pytest.mark.parametrize(
+    "module,argv,says",
+    [
+        ("decode", ["--quants", "bf16,int8_weight"], "unknown int8_weight"),
+        ("decode", ["--models", "nosuch"], "unknown model 'nosuch'"),
+        ("peers.bench", ["--quants", "int8_both"], "unknown int8_both"),
+        ("peers.bench", ["--models", "nosuch"], "unknown model 'nosuch'"),
+        ("sweep_cost", ["--model", "nosuch"], "unknown model 'nosuch'"),
+        ("sweep_cost", ["--quant", "int8"], "invalid choice: 'int8'"),
+    ],
+)
+def test_benchmarks_refuse_unknown_names(capsys, module, argv, says):
+    """A typo in a benchmark's model or quantization ends with one usage line (exit 2) before any
+    work, even without a GPU, not as a run of another preset or a traceback later."""
+    import importlib
 
+    main = importlib.import_module(f"tileinfer.bench.{module}").main
     with pytest.raises(SystemExit) as e:
-        decode.main(["--quants", "bf16,int8_weight"])
+        main(argv)
     assert e.value.code == 2
-    assert "unknown int8_weight" in capsys.readouterr().err
+    assert says in capsys.readouterr().err

@@ -29,6 +29,7 @@ import torch
 from quantize import NAMED, apply, named_scheme
 from tileinfer.bench.ops import measure_ceilings, save
 from tileinfer.core.checkpoint.random_init import random_state_dict
+from tileinfer.core.errors import UserError
 from tileinfer.core.registry import model_config, model_entry
 from tileinfer.engine.runner import ModelRunner
 from tileinfer.models import Transformer
@@ -129,6 +130,11 @@ def main(argv=None) -> int:
     unknown = set(a.quants.split(",")) - set(NAMED)
     if unknown:
         p.error(f"--quants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(NAMED)}")
+    try:
+        for m in a.models.split(","):
+            model_config(m)
+    except UserError as e:
+        p.error(f"--models: {e}")
     if not torch.cuda.is_available():
         print("no CUDA device: the decode benchmark needs a GPU", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from quantize import NAMED, apply, named_scheme
 from tileinfer.bench.ops import save
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
+from tileinfer.core.errors import UserError
 from tileinfer.core.registry import model_entry
 from tileinfer.engine.runner import ModelRunner
 from tileinfer.models import Transformer
@@ -94,7 +95,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results", help="folder for the table")
     p.add_argument("--name", default=None, help="file name of the table (default sweep-cost-MODEL-DEVICE)")
     args = p.parse_args(argv)
-    hf = model_entry(args.model)["config"]
+    try:
+        hf = model_entry(args.model)["config"]
+    except UserError as e:
+        p.error(f"--model: {e}")
     cfg = ModelConfig.from_hf(hf)
     sd = random_state_dict(hf, seed=0, dtype=torch.bfloat16)
     tail = max(args.n_score, args.decode_tokens)

@@ -23,7 +23,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
 
-from quantize import DEFAULT_ALPHA, DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantScheme
+from quantize import DEFAULT_ALPHA, DEFAULT_CALIBRATION_TOKENS, NAMED, PRECISIONS, QuantScheme
 from tileinfer.core.errors import USAGE_ERROR, UserError
 from tileinfer.ops import BACKENDS
 
@@ -67,12 +67,7 @@ class ModelGroup:
 
 # The shipped quant configs (conf/quant/NAME.yaml): name -> (weights, kv_cache). Rows, file names and
 # tables are labelled by the name, so a name must say what the weights and the cache are.
-QUANT_NAMES = {
-    "bf16": ("bf16", "bf16"),
-    "int8_weights": ("int8", "bf16"),
-    "int8_kv": ("bf16", "int8"),
-    "int8_both": ("int8", "int8"),
-}
+QUANT_NAMES = NAMED
 
 
 @dataclass

@@ -193,7 +193,7 @@ def decode_split_kernel(
 # decode (benchmarks/cutile-NOTES.md). Here the pages are read as int32 words (4 values each: byte
 # i of word j is element 4j + i) and each byte becomes its exact float32 value by a shift, one LOP3
 # and one FADD (FasterTransformer's magic-number conversion: the byte with its sign bit flipped,
-# OR-ed into the mantissa of 2^23, minus 2^23 + 128). Each byte plane is one tf32 mma: scores
+# OR-ed into the mantissa of 2^23, minus (2^23 + 128) = 8388736). Each byte plane is one tf32 mma: scores
 # sum_i q[:, i::4] @ K[:, i::4]^T, and outputs acc_i = (p * vs) @ V[:, i::4], stored interleaved.
 # tf32 is exact for int8 values and bf16 queries; p * vs rounds to tf32's 10 bits, finer than the
 # mma path's bf16. Four separate 2-D mmas, not one batched 3-D mma: a batched one replicates the
@@ -201,7 +201,7 @@ def decode_split_kernel(
 
 
 def _byte(w, i: int):
-    """Byte ``i`` of each int32 word of ``w`` as its exact float32 value (-128..127)."""
+    """Byte ``i`` of each int32 word of ``w`` as its signed value (-128..127), exact, in tfloat32."""
     u = w if i == 0 else w >> (8 * i)
     return ct.astype(ct.bitcast((u & 0xFF) ^ 0x4B000080, ct.float32) - 8388736.0, ct.tfloat32)
 
@@ -267,7 +267,7 @@ def decode_split_int8_kernel(
         alpha = ct.exp2(m_i - m_safe)
         l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
         pv = p * ct.reshape(ct.load(vs, (page, h, 0), shape=(1, 1, PS)), (1, PS))
-        pv = ct.astype(ct.where(visible, pv, 0.0), ct.tfloat32)  # 0 * a garbage scale past the context
+        pv = ct.astype(ct.where(visible, pv, 0.0), ct.tfloat32)  # slots past the context: their scale may be NaN
         vt = ct.reshape(ct.load(vw, (page, h, 0, 0), shape=(1, 1, PS, DW), latency=8), (PS, DW))
         a0 = ct.mma(pv, _byte(vt, 0), a0 * alpha)
         a1 = ct.mma(pv, _byte(vt, 1), a1 * alpha)
@@ -314,11 +314,12 @@ def decode_rows(T: int, group: int) -> tuple[int, int]:
 
 
 def _int8_words(dtype: torch.dtype, T: int, rows: int, D: int) -> bool:
-    """Whether decode over an INT8 cache takes :func:`decode_split_int8_kernel`: bf16 queries (tf32
-    holds them exactly, not float16 or float32), one query row padded to at most 16 (T = 1), and
-    head_dim 128. Outside these its sm_90 build spills (``python -m tileinfer.bench.aot --backend
-    cutile --sass --filter decode_split``: 344-392 bytes of stack for head_dim 64, or for T > 1,
-    whose size is then not a compile-time constant), and the mma path takes them."""
+    """Whether decode over an INT8 cache takes :func:`decode_split_int8_kernel`: bf16 queries (the
+    dtype it was measured and tested with; float32 would round to tf32), T = 1 with a GQA group of at
+    most 16 heads (``rows``: the padded tile TP * GP <= 16), and head_dim 128. Outside these its sm_90
+    build spills (``python -m tileinfer.bench.aot --backend cutile --sass --filter decode_split``:
+    344-392 bytes of stack for head_dim 64, or for T > 1, whose size is then not a compile-time
+    constant), and the mma path takes them."""
     return DECODE_INT8_WORDS and dtype == torch.bfloat16 and T == 1 and rows <= 16 and D == 128
 
 
