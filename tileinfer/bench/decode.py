@@ -118,6 +118,19 @@ def bench_model(
     return rows
 
 
+def refuse_unknown(p: argparse.ArgumentParser, quants: str, known, models: str) -> None:
+    """Exit with one usage line (code 2) for a name of ``quants`` not in ``known`` or an
+    unregistered model of ``models`` (both comma-separated), before any GPU work."""
+    unknown = set(quants.split(",")) - set(known)
+    if unknown:
+        p.error(f"--quants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
+    try:
+        for m in models.split(","):
+            model_config(m)
+    except UserError as e:
+        p.error(f"--models: {e}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tileinfer.bench.decode", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-0.6b-random,qwen3-4b-random,qwen3-8b-random")
@@ -127,14 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per row")
     p.add_argument("--out", default="runs/bench", help="folder for decode.md and decode.parquet")
     a = p.parse_args(argv)
-    unknown = set(a.quants.split(",")) - set(NAMED)
-    if unknown:
-        p.error(f"--quants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(NAMED)}")
-    try:
-        for m in a.models.split(","):
-            model_config(m)
-    except UserError as e:
-        p.error(f"--models: {e}")
+    refuse_unknown(p, a.quants, NAMED, a.models)
     if not torch.cuda.is_available():
         print("no CUDA device: the decode benchmark needs a GPU", file=sys.stderr)
         return 2

@@ -39,11 +39,10 @@ import time
 import torch
 
 from quantize import apply, named_scheme
-from tileinfer.bench.decode import bytes_per_step, time_steps
+from tileinfer.bench.decode import bytes_per_step, refuse_unknown, time_steps
 from tileinfer.bench.ops import measure_ceilings, save
 from tileinfer.bench.peers import gptfast, hf
 from tileinfer.core.checkpoint.random_init import random_state_dict
-from tileinfer.core.errors import UserError
 from tileinfer.core.registry import model_config, model_entry
 from tileinfer.engine.runner import ModelRunner
 from tileinfer.models import Transformer
@@ -235,14 +234,7 @@ def main(argv=None) -> int:
     unknown = set(a.peers.split(",")) - set(PEERS)
     if unknown:
         p.error(f"unknown peers {', '.join(sorted(unknown))}; known: {', '.join(PEERS)}")
-    unknown = set(a.quants.split(",")) - set(QUANTS)
-    if unknown:
-        p.error(f"--quants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(QUANTS)}")
-    try:
-        for m in a.models.split(","):
-            model_config(m)
-    except UserError as e:
-        p.error(f"--models: {e}")
+    refuse_unknown(p, a.quants, QUANTS, a.models)
     if not torch.cuda.is_available():
         print("no CUDA device: the peers benchmark needs a GPU", file=sys.stderr)
         return 2
