@@ -111,6 +111,7 @@ TRITON_SMALL_VARIANTS = {
     },
     "gemv_dot": {"gemv1_bf16": (16, 32, 4, 2, 3), "gemv1_int8": (16, 32, 4, 2, 3)},
     "gemv_unit": {"gemv1_int8": (4, 64, 4, 1, 4)},
+    "streamk": {"gemm_bf16": (32, 32, 32, 8, 4, 2, "streamk"), "gemm_int8": (32, 32, 32, 8, 4, 2, "streamk")},
 }
 TRITON_VARIANTS = {
     "ptr": {"gemm_bf16": (128, 128, 64, 8, 8, 3, "ptr"), "gemm_int8": (128, 128, 64, 8, 8, 3, "ptr")},
@@ -128,6 +129,7 @@ TRITON_VARIANTS = {
     "gemv_dot": {"gemv1_bf16": (32, 256, 4, 4, 3), "gemv1_int8": (32, 256, 4, 4, 3)},
     "gemv_unit": {"gemv1_int8": (8, 1024, 4, 1, 4)},
     "gemv_pipelined": {"gemv1_bf16": (8, 512, 4, 3), "gemv1_int8": (8, 1024, 4, 3, 4)},
+    "streamk": {"gemm_bf16": (128, 256, 64, 8, 8, 3, "streamk"), "gemm_int8": (128, 128, 64, 8, 8, 3, "streamk")},
 }
 
 
@@ -144,13 +146,13 @@ TRITON_VARIANTS = {
 )
 def test_triton_variants_small(target, monkeypatch, variant, dt, T, K):
     """The interpreter through each GEMM kind (linear with and without bias, swiglu, float32 logits;
-    the weight in the model dtype and INT8); "tma" also through the INT8 prefill path that widens
-    the weight to bf16 first, and "swap" past that threshold (lowered to 32 rows)."""
+    the weight in the model dtype and INT8); "tma" and "streamk" also through the INT8 prefill path
+    that widens the weight to bf16 first, and "swap" past that threshold (lowered to 32 rows)."""
     from tileinfer.ops.triton import gemm
 
     for key, cfg in TRITON_SMALL_VARIANTS[variant].items():
         monkeypatch.setitem(gemm._OVERRIDE, key, cfg)
-    if variant in ("tma", "swap"):
+    if variant in ("tma", "swap", "streamk"):
         monkeypatch.setattr(gemm, "INT8_DEQUANT_ROWS", 32)
     dt = DTYPES[dt]
     N = 72
@@ -177,6 +179,31 @@ def test_triton_swap_without_tma_widens_first(target, monkeypatch, T):
     close(target.ops.swiglu(x, w), R.swiglu(x, w), TOL[torch.float32], "swiglu")
     close(target.ops.linear(x, w), R.linear(x, w), TOL[torch.float32], "linear")
     assert widened == [(2 * N, K), (2 * N, K)]
+
+
+@pytest.mark.cases(
+    "tile,T,N,K",
+    targets=("triton-interpret",),
+    small=[((64, 128, 32), 40, 72, 200), ((32, 32, 32), 40, 72, 200), ((16, 16, 16), 48, 40, 32)],
+)
+def test_triton_streamk_splits_tiles_between_programs(target, monkeypatch, tile, T, N, K):
+    """Stream-K with the interpreter's 4 programs: one 64 x 128 tile of 7 k-steps shared by all four
+    (three hand partial sums to the fourth); 6 tiles of 7 k-steps (one data-parallel wave of 4,
+    then 14 k-steps split 3 / 4 / 3 / 4); 9 tiles of 2 k-steps (two waves, then one tile's 2
+    k-steps over 4 programs: programs 0 and 2 have none, program 3 skips 2 and waits for 1); bf16
+    and float32, with a bias, and float32 logits. Every flag
+    is back at 0 after each launch (a CUDA graph replay or the next GEMM starts from a clean state)."""
+    from tileinfer.ops.triton import gemm
+
+    monkeypatch.setitem(gemm._OVERRIDE, "gemm_bf16", (*tile, 8, 4, 2, "streamk"))
+    for dt in DTYPES.values():
+        x = torch.randn(T, K).to(dt)
+        w = (torch.randn(N, K) / K**0.5).to(dt)
+        bias = torch.randn(N).to(dt)
+        close(target.ops.linear(x, w, bias), R.linear(x, w, bias), TOL[dt], f"linear {dt}")
+        assert not gemm._STREAMK_WS[x.device][1].any(), "a flag was left raised"
+        close(target.ops.lm_head(x, w), R.lm_head(x, w), LOGITS_TOL, f"lm_head {dt}")
+        assert not gemm._STREAMK_WS[x.device][1].any(), "a flag was left raised"
 
 
 @pytest.mark.cases("variant", targets=("triton",), model=list(TRITON_VARIANTS))

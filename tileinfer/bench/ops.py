@@ -262,6 +262,11 @@ def sweep_families() -> list[Family]:
         (128, 256, 64, 8, 8, 3, "tma_ws"),
         (128, 64, 64, 8, 4, 4, "tma"),
         (256, 128, 64, 8, 8, 3, "ptr"),
+        # stream-K: the same tiles, the k-steps split evenly over the SMs (no idle last wave)
+        (128, 256, 64, 8, 8, 3, "streamk"),
+        (128, 256, 64, 8, 8, 4, "streamk"),
+        (128, 128, 64, 8, 8, 4, "streamk"),
+        (128, 128, 64, 8, 4, 4, "streamk"),
     ]
     return [
         Family(

@@ -12,8 +12,9 @@ the epilogue), with bias, SwiGLU and float32-logit epilogues.
   number) for float32 outputs.
 * Verify (2..16 rows): the same kernel with rows padded to 16 and ``tl.dot`` (below 16 rows the
   tensor cores go unused - the Julia engine's 8-vs-16-row lesson), cp.async-pipelined.
-* Prefill: ``_gemm_tma_kernel``, a persistent GEMM fed by TMA descriptors (Triton tutorial 09), or
-  ``_gemm_kernel``, the classic pointer-based tiled GEMM (grouped order, cp.async, wgmma), per the
+* Prefill: ``_gemm_tma_kernel``, a persistent GEMM fed by TMA descriptors (Triton tutorial 09),
+  ``_gemm_kernel``, the classic pointer-based tiled GEMM (grouped order, cp.async, wgmma), or, for
+  shapes whose tiles leave the last wave mostly idle, ``_gemm_streamk_kernel`` (stream-K), per the
   tile table. From ``INT8_DEQUANT_ROWS`` rows an INT8 weight is widened to a bf16 scratch copy
   first (one pass) instead of being converted once per 128-row block inside the GEMM, unless the
   table picks the TMA kernel's "swap AB" form: out^T = W @ x^T, the int8 weight tile as wgmma's A
@@ -363,7 +364,6 @@ def _gemm_tma_kernel(
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    out_t: tl.constexpr = o_ptr.dtype.element_ty
     for tile in tl.range(tl.program_id(0), grid_m * grid_n, NUM_SMS, flatten=not SWAP_AB, warp_specialize=WARP_SPEC):
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
         om = pid_m * BLOCK_M
@@ -389,34 +389,188 @@ def _gemm_tma_kernel(
                 if SWIGLU:
                     bu = b_desc.load([UP_OFF + on, ki * BLOCK_K]).to(DOT_T)
                     acc_u = tl.dot(a, bu.T, acc_u, input_precision=PREC)
-        rows = om + tl.arange(0, BLOCK_M)
-        cols = on + tl.arange(0, BLOCK_N)
-        cc = tl.minimum(cols, N - 1)
-        y = acc
-        if SWAP_AB:
-            if SWIGLU:
-                y, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+        if not SWIGLU or SWAP_AB:
+            acc_u = acc  # unused: no up accumulator, or the up rows are in acc
+        _store_tile(
+            acc, acc_u, om, on, M, N, s_ptr, bias_ptr, o_ptr, stride_om, UP_OFF,
+            BLOCK_M, BLOCK_N, W_INT8, HAS_BIAS, SWIGLU, ROUND, SWAP_AB,
+        )  # fmt: skip
+
+
+@triton.jit
+def _store_tile(
+    acc,
+    acc_u,
+    om,
+    on,
+    M,
+    N,
+    s_ptr,
+    bias_ptr,
+    o_ptr,
+    stride_om,
+    UP_OFF,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    W_INT8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    ROUND: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+):
+    """Epilogue of the TMA kernels: the float32 accumulator of the output tile at (om, on) (with
+    SwiGLU acc the gate, acc_u the up product; swap AB: acc [(2 *) BLOCK_N, BLOCK_M], transposed)
+    rounded to the output dtype where the reference rounds, scaled (INT8), gated, biased, stored."""
+    out_t: tl.constexpr = o_ptr.dtype.element_ty
+    rows = om + tl.arange(0, BLOCK_M)
+    cols = on + tl.arange(0, BLOCK_N)
+    cc = tl.minimum(cols, N - 1)
+    y = acc
+    if SWAP_AB:
+        if SWIGLU:
+            y, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+    if ROUND:
+        y = cast(y, out_t).to(tl.float32)
+    if W_INT8:
+        y = y * _bcast(tl.load(s_ptr + cc), SWAP_AB, True)
         if ROUND:
             y = cast(y, out_t).to(tl.float32)
+    if SWIGLU:
+        u = acc_u
+        if ROUND:
+            u = cast(u, out_t).to(tl.float32)
         if W_INT8:
-            y = y * _bcast(tl.load(s_ptr + cc), SWAP_AB, True)
-            if ROUND:
-                y = cast(y, out_t).to(tl.float32)
-        if SWIGLU:
-            u = acc_u
+            u = u * _bcast(tl.load(s_ptr + UP_OFF + cc), SWAP_AB, True)
             if ROUND:
                 u = cast(u, out_t).to(tl.float32)
-            if W_INT8:
-                u = u * _bcast(tl.load(s_ptr + UP_OFF + cc), SWAP_AB, True)
-                if ROUND:
-                    u = cast(u, out_t).to(tl.float32)
-            y = y * tl.sigmoid(y) * u
-        if HAS_BIAS:
-            y = y + _bcast(tl.load(bias_ptr + cc).to(tl.float32), SWAP_AB, True)
-        r64 = rows.to(tl.int64) * stride_om
-        offs = _bcast(r64, SWAP_AB, False) + _bcast(cols, SWAP_AB, True)
-        mask = _bcast(rows < M, SWAP_AB, False) & _bcast(cols < N, SWAP_AB, True)
-        tl.store(o_ptr + offs, cast(y, out_t), mask=mask)
+        y = y * tl.sigmoid(y) * u
+    if HAS_BIAS:
+        y = y + _bcast(tl.load(bias_ptr + cc).to(tl.float32), SWAP_AB, True)
+    r64 = rows.to(tl.int64) * stride_om
+    offs = _bcast(r64, SWAP_AB, False) + _bcast(cols, SWAP_AB, True)
+    mask = _bcast(rows < M, SWAP_AB, False) & _bcast(cols < N, SWAP_AB, True)
+    tl.store(o_ptr + offs, cast(y, out_t), mask=mask)
+
+
+@triton.jit
+def _sk_start(pid, total, P):
+    """First k-iteration of stream-K program ``pid`` of ``P`` (an equal share of ``total``, +-1)."""
+    return (pid.to(tl.int64) * total // P).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_streamk_kernel(
+    a_desc,
+    b_desc,
+    s_ptr,
+    bias_ptr,
+    o_ptr,
+    ws_ptr,
+    flag_ptr,
+    M,
+    N,
+    K,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    W_INT8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUND: tl.constexpr,
+    DOT_T: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Stream-K GEMM (Osama et al., "Stream-K: Work-centric Parallel Decomposition for Dense Matrix
+    Multiplication on the GPU", PPoPP 2023): out = x @ w.T for outputs whose tile count leaves the
+    last wave of a tile-per-program GEMM mostly idle (Qwen3-4B's o and down at 1k tokens: 80 tiles of
+    128 x 256 on 132 SMs).
+
+    The grid's P programs (at most one per SM, all resident at once) first run the full waves
+    of tiles whole (data-parallel, the "DP + stream-K" hybrid of the paper), then split the
+    remaining tiles' k-steps into P equal contiguous ranges, so a tile may be shared by up to
+    ceil(k_tiles / share) + 1 programs. A program walks its range from the end: its last fragment,
+    when it stops short of the tile's end, goes first to its float32 slot in ``ws_ptr``
+    [P, BLOCK_M, BLOCK_N] and raises ``flag_ptr[pid]`` (release); its first fragment, when it ends a
+    tile that began in an earlier program, comes last and adds the slots of those programs
+    (pid - 1, pid - 2, ...; acquire, then the flag back to 0 for the next launch) before the
+    epilogue. Waits are only on lower program ids, which stored their slots at their start, so the
+    wait is short (and the interpreter, running programs in order, never waits). The sum order is
+    fixed: the result is deterministic. TMA loads as in ``_gemm_tma_kernel``; no SwiGLU, no swap AB.
+    """
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    tiles = grid_m * grid_n
+    dp_tiles = (tiles // P) * P
+    for tile in range(pid, dp_tiles, P):  # the full waves: a whole tile a program
+        pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
+        acc = _k_steps(
+            a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, DOT_T, PREC
+        )
+        _store_tile(
+            acc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, s_ptr, bias_ptr, o_ptr, stride_om, 0,
+            BLOCK_M, BLOCK_N, W_INT8, HAS_BIAS, False, ROUND, False,
+        )  # fmt: skip
+    # the rest, stream-K: iterations of the tiles from dp_tiles on, counted from 0
+    total = (tiles - dp_tiles) * k_tiles
+    start = _sk_start(pid, total, P)
+    it_end = _sk_start(pid + 1, total, P)
+    slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    while it_end > start:
+        t0 = (it_end - 1) // k_tiles * k_tiles
+        k_lo = tl.maximum(start, t0) - t0
+        k_hi = it_end - t0
+        pid_m, pid_n = _tile_coords(dp_tiles + t0 // k_tiles, grid_m, grid_n, GROUP_M)
+        om = pid_m * BLOCK_M
+        on = pid_n * BLOCK_N
+        acc = _k_steps(a_desc, b_desc, om, on, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K, DOT_T, PREC)
+        if k_hi < k_tiles:
+            # the tile's end belongs to a later program: hand this part over
+            tl.store(ws_ptr + pid.to(tl.int64) * (BLOCK_M * BLOCK_N) + slot, acc, cache_modifier=".cg")
+            tl.debug_barrier()  # every thread's part is stored before the flag goes up
+            tl.atomic_xchg(flag_ptr + pid, 1, sem="release")
+        else:
+            j = pid - 1
+            while _sk_start(j + 1, total, P) > t0:  # program j's range ends inside this tile
+                # with fewer iterations than programs some programs have none: skip those
+                if _sk_start(j, total, P) < _sk_start(j + 1, total, P):
+                    while tl.atomic_add(flag_ptr + j, 0, sem="acquire") == 0:
+                        pass
+                    # .cg: read past L1, which holds no line written by another SM
+                    acc += tl.load(ws_ptr + j.to(tl.int64) * (BLOCK_M * BLOCK_N) + slot, cache_modifier=".cg")
+                    tl.atomic_xchg(flag_ptr + j, 0, sem="relaxed")
+                j -= 1
+            _store_tile(
+                acc, acc, om, on, M, N, s_ptr, bias_ptr, o_ptr, stride_om, 0,
+                BLOCK_M, BLOCK_N, W_INT8, HAS_BIAS, False, ROUND, False,
+            )  # fmt: skip
+        it_end = t0 + k_lo
+
+
+@triton.jit
+def _k_steps(
+    a_desc,
+    b_desc,
+    om,
+    on,
+    k_lo,
+    k_hi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_T: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """x[om:, k] @ w[on:, k].T over k-steps k_lo..k_hi of the tile at (om, on), float32."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(k_lo, k_hi):
+        a = a_desc.load([om, ki * BLOCK_K]).to(DOT_T)
+        b = b_desc.load([on, ki * BLOCK_K]).to(DOT_T)
+        acc = tl.dot(a, b.T, acc, input_precision=PREC)
+    return acc
 
 
 # ---------------------------------------------------------------------------- tile tables
@@ -447,7 +601,8 @@ GEMV16_BF16 = (32, 256, 4, 4)
 GEMV16_INT8 = (32, 256, 4, 4)
 # GEMM: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, kernel). kernel "ptr" is the
 # pointer-based tiled GEMM, "tma" the persistent TMA kernel, "tma_ws" the same warp-specialised,
-# "swap" the TMA kernel computing the transposed tile (weight rows as wgmma's M: 64 a warpgroup).
+# "swap" the TMA kernel computing the transposed tile (weight rows as wgmma's M: 64 a warpgroup),
+# "streamk" the stream-K TMA kernel (plain GEMMs; SwiGLU takes "tma" instead), per shape only.
 # BLOCK_M is the tile's tokens, BLOCK_N the width of the output tile (for SwiGLU the kernels read
 # twice as many weight rows).
 # ``_gemm_config`` takes the first tile of its list that still makes half a wave of programs on 132
@@ -481,8 +636,15 @@ _OVERRIDE: dict[str, tuple] = {}
 # Per-shape entries measured on the H200 (tileinfer.bench.ops --sweep), keyed like the sweep:
 # GEMV (weight rows, K), GEMM (M, N out, K). Shapes not listed use the rules above.
 SHAPE_TABLE: dict[str, dict] = {
-    # Qwen3-4B qkv at 1k tokens: 128 x 128 50.1 us against 57.2 for the table's 128 x 256
-    "gemm_bf16": {(1024, 6144, 2560): (128, 128, 64, 8, 8, 4, "tma_ws")},
+    # At 1k tokens: Qwen3-4B qkv 128 x 128 tiles (the table's 128 x 256 leave a wave 73% full); 4B down
+    # (80 tiles of 128 x 256 on 132 SMs) stream-K, 11% faster than tiles in two sweeps; 8B qkv (192
+    # tiles) stream-K, 2-4% faster than tiles measured in earlier runs; 4B o (K 4096) was 9% slower
+    # with stream-K (h200-2026-12-02-streamk.md)
+    "gemm_bf16": {
+        (1024, 6144, 2560): (128, 128, 64, 8, 8, 4, "tma_ws"),
+        (1024, 2560, 9728): (128, 256, 64, 8, 8, 4, "streamk"),
+        (1024, 6144, 4096): (128, 256, 64, 8, 8, 3, "streamk"),
+    },
     # No single-row shape takes GEMV_DOT: it won the 8B gate_up alone in bench.ops (h200-2026-12-01-gemv-dot.md)
     # but lost whole-model INT8 decode on the 8B shape (h200-2026-12-01-gemv-dot-ab.md): time the model too.
     # Qwen3-8B o and down (4096 rows, K 4096 / 12288): 8-row tiles, decided by the whole-model A/B
@@ -562,6 +724,21 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 _SMS: dict = {}
+_STREAMK_WS: dict = {}
+
+
+def _streamk_workspace(device, programs: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stream-K's float32 partial tiles [programs * tile] and its int32 flags [programs], kept per
+    device and grown on demand. The flags are all zero between launches (each launch lowers every
+    flag it raised), so one copy serves every launch on the device's stream, CUDA graphs included;
+    launches on two streams at once would race on it."""
+    ws, flags = _STREAMK_WS.get(device, (None, None))
+    if ws is None or ws.numel() < programs * tile:
+        ws = torch.empty(programs * tile, dtype=torch.float32, device=device)
+    if flags is None or flags.numel() < programs:
+        flags = torch.zeros(programs, dtype=torch.int32, device=device)
+    _STREAMK_WS[device] = (ws, flags)
+    return ws, flags
 
 
 def _num_sms(device) -> int:
@@ -679,6 +856,8 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
             bm = min(bm, 128)  # the same for the swapped tile's token side
         if kind != "ptr" and not _tma_ok(x, wq):
             kind = "ptr"
+        if kind == "streamk" and swiglu:
+            kind = "tma"  # stream-K has one accumulator and the plain epilogue
         if kind == "ptr":
             wcols = bn * 2 if swiglu else bn  # the pointer kernel's tile holds gate and up rows
             _gemm_kernel[(cdiv(T, bm) * cdiv(N, bn),)](
@@ -702,6 +881,34 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
                 HAS_BIAS=has_bias,
                 SWIGLU=swiglu,
                 EVEN_K=K % bk == 0,
+                ROUND=round_,
+                DOT_T=dot_t,
+                PREC=prec,
+                num_warps=warps,
+                num_stages=stages,
+            )
+        elif kind == "streamk":
+            tiles = cdiv(T, bm) * cdiv(N, bn)
+            programs = min(_num_sms(x.device), tiles * cdiv(K, bk))
+            ws, flags = _streamk_workspace(x.device, programs, bm * bn)
+            _gemm_streamk_kernel[(programs,)](
+                TensorDescriptor(x, [T, K], [x.stride(0), 1], [bm, bk]),
+                TensorDescriptor(wq, [n_rows, K], [wq.stride(0), 1], [bn, bk]),
+                scale,
+                b,
+                out,
+                ws,
+                flags,
+                T,
+                N,
+                K,
+                out.stride(0),
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                BLOCK_K=bk,
+                GROUP_M=gm,
+                W_INT8=int8,
+                HAS_BIAS=has_bias,
                 ROUND=round_,
                 DOT_T=dot_t,
                 PREC=prec,
