@@ -237,9 +237,10 @@ def test_named_presets_are_the_conf_quant_files():
 @pytest.mark.parametrize(
     "module,argv,says",
     [
-        ("decode", ["--quants", "bf16,int8_weight"], "unknown int8_weight"),
+        ("decode", ["--quants", "bf16,int8_weight"], "unknown 'int8_weight'"),
+        ("decode", ["--quants", "int8_both,"], "unknown ''"),
         ("decode", ["--models", "nosuch"], "unknown model 'nosuch'"),
-        ("peers.bench", ["--quants", "int8_both"], "unknown int8_both"),
+        ("peers.bench", ["--quants", "int8_both"], "unknown 'int8_both'"),
         ("peers.bench", ["--models", "nosuch"], "unknown model 'nosuch'"),
         ("sweep_cost", ["--model", "nosuch"], "unknown model 'nosuch'"),
         ("sweep_cost", ["--quant", "int8"], "invalid choice: 'int8'"),

@@ -122,8 +122,8 @@ def refuse_unknown(p: argparse.ArgumentParser, quants: str, known, models: str) 
     """Exit with one usage line (code 2) for a name of ``quants`` not in ``known`` or an
     unregistered model of ``models`` (both comma-separated), before any GPU work."""
     unknown = set(quants.split(",")) - set(known)
-    if unknown:
-        p.error(f"--quants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
+    if unknown:  # quoted, so an empty name (a stray comma) shows as ''
+        p.error(f"--quants: unknown {', '.join(map(repr, sorted(unknown)))}; choose from {', '.join(known)}")
     try:
         for m in models.split(","):
             model_config(m)
