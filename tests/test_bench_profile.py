@@ -172,4 +172,6 @@ def test_case_selection():
     assert len(select(cases, "decode:attention")) == 6  # 1k, 8k, 32k x bf16, int8kv
     (one,) = select(cases, "decode:attention:int8kv:ctx=8192")
     assert (one.shape, one.variant) == ("T=1 ctx=8192", "int8kv")
-    assert [c.shape for c in select(cases, "prefill:linear::gate_up_plain")] == ["gate_up_plain 1024x2560->19456"] * 2
+    assert [c.shape for c in select(cases, "prefill:linear::gate_up_plain")] == [
+        "gate_up_plain 1024x2560->19456"
+    ] * 2 + ["gate_up_plain 512x2560->19456"] * 2

@@ -352,7 +352,8 @@ def small_cases(name: str, phase: str, T: int) -> list[Case]:
 def model_cases(name: str, long_ctx: bool = True) -> list[Case]:
     """Every case of registered model ``name``: a decode step (attention after 1k, 8k and, with
     ``long_ctx``, 32k positions), a 16-row verify step, a 1,024-token prefill chunk (and prefill
-    attention over 8,192 tokens)."""
+    attention over 8,192 tokens), and the GEMMs of a 512-token chunk (the runner's default
+    ``prefill_chunk``, so the size the jobs run)."""
     cs = []
     cs += small_cases(name, "decode", 1)
     cs += linear_cases(name, "decode", 1)
@@ -361,6 +362,7 @@ def model_cases(name: str, long_ctx: bool = True) -> list[Case]:
     cs += attention_cases(name, "verify", 16, [8192])
     cs += small_cases(name, "prefill", 1024)
     cs += linear_cases(name, "prefill", 1024)
+    cs += linear_cases(name, "prefill", 512)
     cs += attention_cases(name, "prefill", 1024, [1024])
     cs += attention_cases(name, "prefill", 8192, [8192])
     return cs

@@ -7,8 +7,8 @@
 For each model (registry names, conf/model): the cases of :mod:`tileinfer.bench.cases` - the decode
 step's ops (one token; attention after 1k, 8k and 32k cached positions), a 16-row verify step's
 GEMVs and attention, and a 1,024-token prefill chunk's ops (plus prefill attention over 8,192
-tokens), with BF16 and INT8 weights and KV caches. Random weights with the real shapes: speed does
-not depend on the values.
+tokens, and the GEMMs of a 512-token chunk, the runner's default), with BF16 and INT8 weights and
+KV caches. Random weights with the real shapes: speed does not depend on the values.
 
 Timing: each op is captured ``n`` times into a CUDA graph, cycling over several argument sets whose
 bytes exceed the 60 MB L2 (so the weights come from HBM, as in a real step), and the graph is

@@ -639,11 +639,13 @@ SHAPE_TABLE: dict[str, dict] = {
     # At 1k tokens: Qwen3-4B qkv 128 x 128 tiles (the table's 128 x 256 leave a wave 73% full); 4B down
     # (80 tiles of 128 x 256 on 132 SMs) stream-K, 11% faster than tiles in two sweeps; 8B qkv (192
     # tiles) stream-K, 2-4% faster than tiles measured in earlier runs; 4B o (K 4096) was 9% slower
-    # with stream-K (h200-2026-12-02-streamk.md)
+    # with stream-K; at 512 tokens (the runner's chunk) 4B down stream-K 51.2 us against 54.3 for
+    # its best tiles, one sweep (h200-2026-12-02-streamk.md)
     "gemm_bf16": {
         (1024, 6144, 2560): (128, 128, 64, 8, 8, 4, "tma_ws"),
         (1024, 2560, 9728): (128, 256, 64, 8, 8, 4, "streamk"),
         (1024, 6144, 4096): (128, 256, 64, 8, 8, 3, "streamk"),
+        (512, 2560, 9728): (128, 128, 64, 8, 8, 4, "streamk"),
     },
     # No single-row shape takes GEMV_DOT: it won the 8B gate_up alone in bench.ops (h200-2026-12-01-gemv-dot.md)
     # but lost whole-model INT8 decode on the 8B shape (h200-2026-12-01-gemv-dot-ab.md): time the model too.
