@@ -191,19 +191,49 @@ def test_triton_streamk_splits_tiles_between_programs(target, monkeypatch, tile,
     (three hand partial sums to the fourth); 6 tiles of 7 k-steps (one data-parallel wave of 4,
     then 14 k-steps split 3 / 4 / 3 / 4); 9 tiles of 2 k-steps (two waves, then one tile's 2
     k-steps over 4 programs: programs 0 and 2 have none, program 3 skips 2 and waits for 1); bf16
-    and float32, with a bias, and float32 logits. Every flag
-    is back at 0 after each launch (a CUDA graph replay or the next GEMM starts from a clean state)."""
+    and float32, with a bias, and float32 logits. Stream-K ran (its workspace exists), and every
+    flag is back at 0 after each launch (a CUDA graph replay or the next GEMM starts from a clean
+    state). The launcher keeps a remainder of fewer than 1/8 of the SMs' tiles off stream-K."""
     from tileinfer.ops.triton import gemm
 
     monkeypatch.setitem(gemm._OVERRIDE, "gemm_bf16", (*tile, 8, 4, 2, "streamk"))
+    monkeypatch.setattr(gemm, "_STREAMK_WS", {})
     for dt in DTYPES.values():
         x = torch.randn(T, K).to(dt)
         w = (torch.randn(N, K) / K**0.5).to(dt)
         bias = torch.randn(N).to(dt)
         close(target.ops.linear(x, w, bias), R.linear(x, w, bias), TOL[dt], f"linear {dt}")
-        assert not gemm._STREAMK_WS[x.device][1].any(), "a flag was left raised"
+        assert _streamk_flags(gemm) == [0], "stream-K did not run, or left a flag raised"
         close(target.ops.lm_head(x, w), R.lm_head(x, w), LOGITS_TOL, f"lm_head {dt}")
-        assert not gemm._STREAMK_WS[x.device][1].any(), "a flag was left raised"
+        assert _streamk_flags(gemm) == [0], "stream-K did not run, or left a flag raised"
+    assert gemm._streamk_remainder_small(133 * 128, 256, 128, 256, 132)  # 1 tile left over
+    assert not gemm._streamk_remainder_small(1024, 2560, 128, 256, 132)  # 80 tiles
+    assert not gemm._streamk_remainder_small(1024, 6144, 128, 256, 132)  # 192: 60 left over
+
+
+def _streamk_flags(gemm) -> list[int]:
+    """The distinct flag values of every stream-K workspace (an empty list: stream-K never ran)."""
+    return sorted({int(v) for pairs in gemm._STREAMK_WS.values() for _, f in pairs for v in f.tolist()})
+
+
+@pytest.mark.cases("rows", targets=("triton",), model=[1024, 512])
+def test_triton_streamk_is_the_same_bits_every_run(target, monkeypatch, rows):
+    """Qwen3-4B's down projection (the table's stream-K entries at 1,024 and 512 rows), 30 launches
+    interleaved with another GEMM: every result equals the first bit for bit (the partial sums are
+    added in a fixed order, so a missing wait or a stale partial shows as a changed bit) and
+    matches the reference; no flag stays raised."""
+    from tileinfer.ops.triton import gemm
+
+    monkeypatch.setattr(gemm, "_STREAMK_WS", {})
+    x = torch.randn(rows, 9728, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(2560, 9728, device="cuda") * 9728**-0.5).to(torch.bfloat16)
+    other = (torch.randn(4096, 9728, device="cuda") * 9728**-0.5).to(torch.bfloat16)
+    first = target.ops.linear(x, w)
+    close(first, R.linear(x, w), 1e-2, "down")
+    for _ in range(30):
+        target.ops.linear(x, other)
+        assert torch.equal(target.ops.linear(x, w), first)
+    assert _streamk_flags(gemm) == [0]
 
 
 @pytest.mark.cases("variant", targets=("triton",), model=list(TRITON_VARIANTS))

@@ -483,10 +483,11 @@ def _gemm_streamk_kernel(
 ):
     """Stream-K GEMM (Osama et al., "Stream-K: Work-centric Parallel Decomposition for Dense Matrix
     Multiplication on the GPU", PPoPP 2023): out = x @ w.T for outputs whose tile count leaves the
-    last wave of a tile-per-program GEMM mostly idle (Qwen3-4B's o and down at 1k tokens: 80 tiles of
+    last wave of a tile-per-program GEMM mostly idle (Qwen3-4B's down at 1k tokens: 80 tiles of
     128 x 256 on 132 SMs).
 
-    The grid's P programs (at most one per SM, all resident at once) first run the full waves
+    The grid's P programs (at most one per SM; waits assume every program gets an SM, which MPS
+    limits or concurrent kernels holding SMs could break) first run the full waves
     of tiles whole (data-parallel, the "DP + stream-K" hybrid of the paper), then split the
     remaining tiles' k-steps into P equal contiguous ranges, so a tile may be shared by up to
     ceil(k_tiles / share) + 1 programs. A program walks its range from the end: its last fragment,
@@ -494,9 +495,10 @@ def _gemm_streamk_kernel(
     [P, BLOCK_M, BLOCK_N] and raises ``flag_ptr[pid]`` (release); its first fragment, when it ends a
     tile that began in an earlier program, comes last and adds the slots of those programs
     (pid - 1, pid - 2, ...; acquire, then the flag back to 0 for the next launch) before the
-    epilogue. Waits are only on lower program ids, which stored their slots at their start, so the
-    wait is short (and the interpreter, running programs in order, never waits). The sum order is
-    fixed: the result is deterministic. TMA loads as in ``_gemm_tma_kernel``; no SwiGLU, no swap AB.
+    epilogue. Waits are only on lower program ids, which stored their slots as soon as their
+    full-wave tiles were done, so the wait is short (and the interpreter, running programs in order,
+    never waits). The sum order is fixed: for a given tile and SM count the result is the same bits
+    every run. TMA loads as in ``_gemm_tma_kernel``; no SwiGLU, no swap AB.
     """
     pid = tl.program_id(0)
     P = tl.num_programs(0)
@@ -539,7 +541,7 @@ def _gemm_streamk_kernel(
                 if _sk_start(j, total, P) < _sk_start(j + 1, total, P):
                     while tl.atomic_add(flag_ptr + j, 0, sem="acquire") == 0:
                         pass
-                    # .cg: read past L1, which holds no line written by another SM
+                    # .cg: L1 is not coherent across SMs (the acquire above already orders these loads)
                     acc += tl.load(ws_ptr + j.to(tl.int64) * (BLOCK_M * BLOCK_N) + slot, cache_modifier=".cg")
                     tl.atomic_xchg(flag_ptr + j, 0, sem="relaxed")
                 j -= 1
@@ -729,18 +731,42 @@ _SMS: dict = {}
 _STREAMK_WS: dict = {}
 
 
+def _streamk_remainder_small(T: int, N: int, bm: int, bn: int, sms: int) -> bool:
+    """Whether the tiles left after stream-K's full waves are too few to share out: under sms / 8
+    tiles, each program gets a sliver of k-steps and one program would add up to ~sms partial tiles
+    in series (133 tiles on 132 SMs: one tile's k-steps over all 132 programs)."""
+    left = cdiv(T, bm) * cdiv(N, bn) % sms
+    return 0 < left * 8 < sms
+
+
 def _streamk_workspace(device, programs: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stream-K's float32 partial tiles [programs * tile] and its int32 flags [programs], kept per
-    device and grown on demand. The flags are all zero between launches (each launch lowers every
-    flag it raised), so one copy serves every launch on the device's stream, CUDA graphs included;
-    launches on two streams at once would race on it."""
-    ws, flags = _STREAMK_WS.get(device, (None, None))
-    if ws is None or ws.numel() < programs * tile:
-        ws = torch.empty(programs * tile, dtype=torch.float32, device=device)
-    if flags is None or flags.numel() < programs:
-        flags = torch.zeros(programs, dtype=torch.int32, device=device)
-    _STREAMK_WS[device] = (ws, flags)
-    return ws, flags
+    """Stream-K's float32 partial tiles [programs * tile] and its int32 flags [programs], one pair
+    per (device, stream). The flags are all zero between launches (each launch lowers every flag it
+    raised), so the pair serves every launch on its stream, CUDA graph replays included. Launches
+    on two streams at once sharing one pair could read each other's partials and then spin forever,
+    hence the per-stream key. The pair is sized for the device's SMs and 128 x 256 tiles at first
+    use; a larger one replaces it only outside a graph capture (a captured graph keeps the
+    addresses it saw), and the old pair is kept, since a graph captured earlier may still use it.
+
+    Raises:
+        RuntimeError: the pair must grow while a CUDA graph is being captured.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    held = _STREAMK_WS.setdefault((device, stream), [])
+    if held and held[-1][0].numel() >= programs * tile and held[-1][1].numel() >= programs:
+        return held[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "stream-K workspace: first use or growth inside a CUDA graph capture; run the GEMM once before capturing"
+        )
+    n = max(programs, _num_sms(device))
+    held.append(
+        (
+            torch.empty(n * max(tile, 128 * 256), dtype=torch.float32, device=device),
+            torch.zeros(n, dtype=torch.int32, device=device),
+        )
+    )
+    return held[-1]
 
 
 def _num_sms(device) -> int:
@@ -858,8 +884,8 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
             bm = min(bm, 128)  # the same for the swapped tile's token side
         if kind != "ptr" and not _tma_ok(x, wq):
             kind = "ptr"
-        if kind == "streamk" and swiglu:
-            kind = "tma"  # stream-K has one accumulator and the plain epilogue
+        if kind == "streamk" and (swiglu or _streamk_remainder_small(T, N, bm, bn, _num_sms(x.device))):
+            kind = "tma"  # stream-K has one accumulator and the plain epilogue; see the helper
         if kind == "ptr":
             wcols = bn * 2 if swiglu else bn  # the pointer kernel's tile holds gate and up rows
             _gemm_kernel[(cdiv(T, bm) * cdiv(N, bn),)](
