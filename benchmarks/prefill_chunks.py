@@ -1,0 +1,82 @@
+"""Whole-prompt prefill speed against the runner's chunk size (``prefill_chunk``), in one process (H200).
+
+    python benchmarks/prefill_chunks.py --models qwen3-4b-random,qwen3-8b-random --chunks 512,1024,2048 \
+        --tokens 8192 --out runs/bench
+
+Random weights with the registered shapes; one sequence of ``--tokens`` prompt tokens prefilled
+in chunks, after one untimed prefill (compilation). Reports the median of ``--reps`` prefills in
+ms and tok/s and the ratio to the first chunk size; writes OUT/prefill-chunks.md and .parquet.
+The jobs prefill with the runner's default chunk (512): the GEMM tables were tuned at 1,024.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from quantize import apply, named_scheme
+from tileinfer.bench.ops import save
+from tileinfer.core.checkpoint.random_init import random_state_dict
+from tileinfer.core.registry import model_config, model_entry
+from tileinfer.engine.runner import ModelRunner
+from tileinfer.models import Transformer
+
+
+def prefill_ms(runner: ModelRunner, tokens: list[int], reps: int) -> float:
+    """Median wall time of prefilling ``tokens`` into a fresh sequence, ms (one untimed run first)."""
+    times = []
+    for i in range(reps + 1):
+        seq = runner.new_sequence()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.prefill(seq, tokens)
+        torch.cuda.synchronize()
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+        seq.release()
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="qwen3-4b-random,qwen3-8b-random")
+    p.add_argument("--backends", default="triton")
+    p.add_argument("--quants", default="bf16,int8_both")
+    p.add_argument("--chunks", default="512,1024,2048")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default="runs/bench")
+    a = p.parse_args()
+    chunks = [int(c) for c in a.chunks.split(",")]
+    tokens = torch.randint(0, 1000, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = []
+    for name in a.models.split(","):
+        config = model_config(name)
+        sd = random_state_dict(model_entry(name)["config"], seed=0, device="cuda")
+        for quant in a.quants.split(","):
+            scheme = named_scheme(quant)
+            weights = sd if scheme.weights == "bf16" else apply(sd, config, scheme)[0]
+            model = Transformer.from_state_dict(config, weights, device="cuda")
+            for backend in a.backends.split(","):
+                base = None
+                for chunk in chunks:
+                    runner = ModelRunner(
+                        model, backend, kv_int8=scheme.kv_cache == "int8", max_seq_len=a.tokens + 2, prefill_chunk=chunk
+                    )
+                    ms = prefill_ms(runner, tokens, a.reps)
+                    base = base or ms
+                    row = dict(model=name, quant=quant, backend=backend, tokens=a.tokens, chunk=chunk)
+                    row |= dict(ms=round(ms, 2), tok_s=round(a.tokens / ms * 1e3), vs_first_chunk=round(base / ms, 3))
+                    rows.append(row)
+                    print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+                    del runner
+            del model, weights
+            torch.cuda.empty_cache()
+    save(rows, a.out, "prefill-chunks", f"Device {torch.cuda.get_device_name()}.\n\n")
+
+
+if __name__ == "__main__":
+    main()
