@@ -241,6 +241,7 @@ def test_named_presets_are_the_conf_quant_files():
         ("decode", ["--quants", "int8_both,"], "unknown ''"),
         ("decode", ["--models", "nosuch"], "unknown model 'nosuch'"),
         ("peers.bench", ["--quants", "int8_both"], "unknown 'int8_both'"),
+        ("peers.bench", ["--peers", "gptfast,"], "--peers: unknown ''"),
         ("peers.bench", ["--models", "nosuch"], "unknown model 'nosuch'"),
         ("sweep_cost", ["--model", "nosuch"], "unknown model 'nosuch'"),
         ("sweep_cost", ["--quant", "int8"], "invalid choice: 'int8'"),

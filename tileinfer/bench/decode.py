@@ -118,12 +118,18 @@ def bench_model(
     return rows
 
 
+def refuse_names(p: argparse.ArgumentParser, option: str, names: str, known) -> None:
+    """Exit with one usage line (code 2) for a name of the comma-separated ``names`` (the value of
+    ``option``) not in ``known``."""
+    unknown = set(names.split(",")) - set(known)
+    if unknown:  # quoted, so an empty name (a stray comma) shows as ''
+        p.error(f"{option}: unknown {', '.join(map(repr, sorted(unknown)))}; choose from {', '.join(known)}")
+
+
 def refuse_unknown(p: argparse.ArgumentParser, quants: str, known, models: str) -> None:
     """Exit with one usage line (code 2) for a name of ``quants`` not in ``known`` or an
     unregistered model of ``models`` (both comma-separated), before any GPU work."""
-    unknown = set(quants.split(",")) - set(known)
-    if unknown:  # quoted, so an empty name (a stray comma) shows as ''
-        p.error(f"--quants: unknown {', '.join(map(repr, sorted(unknown)))}; choose from {', '.join(known)}")
+    refuse_names(p, "--quants", quants, known)
     try:
         for m in models.split(","):
             model_config(m)

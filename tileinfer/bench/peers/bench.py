@@ -39,7 +39,7 @@ import time
 import torch
 
 from quantize import apply, named_scheme
-from tileinfer.bench.decode import bytes_per_step, refuse_unknown, time_steps
+from tileinfer.bench.decode import bytes_per_step, refuse_names, refuse_unknown, time_steps
 from tileinfer.bench.ops import measure_ceilings, save
 from tileinfer.bench.peers import gptfast, hf
 from tileinfer.core.checkpoint.random_init import random_state_dict
@@ -231,9 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--torchao-wheel", help="a torchao wheel to install (pip --no-deps) when torchao is missing")
     p.add_argument("--out", default="runs/bench", help="folder for peers.md and peers.parquet")
     a = p.parse_args(argv)
-    unknown = set(a.peers.split(",")) - set(PEERS)
-    if unknown:
-        p.error(f"unknown peers {', '.join(sorted(unknown))}; known: {', '.join(PEERS)}")
+    refuse_names(p, "--peers", a.peers, PEERS)
     refuse_unknown(p, a.quants, QUANTS, a.models)
     if not torch.cuda.is_available():
         print("no CUDA device: the peers benchmark needs a GPU", file=sys.stderr)
