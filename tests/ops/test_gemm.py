@@ -206,9 +206,9 @@ def test_triton_streamk_splits_tiles_between_programs(target, monkeypatch, tile,
         assert _streamk_flags(gemm) == [0], "stream-K did not run, or left a flag raised"
         close(target.ops.lm_head(x, w), R.lm_head(x, w), LOGITS_TOL, f"lm_head {dt}")
         assert _streamk_flags(gemm) == [0], "stream-K did not run, or left a flag raised"
-    assert gemm._streamk_remainder_small(133 * 128, 256, 128, 256, 132)  # 1 tile left over
-    assert not gemm._streamk_remainder_small(1024, 2560, 128, 256, 132)  # 80 tiles
-    assert not gemm._streamk_remainder_small(1024, 6144, 128, 256, 132)  # 192: 60 left over
+    assert gemm._streamk_remainder_small(133, 132)  # 1 tile left over
+    assert not gemm._streamk_remainder_small(80, 132)  # 4B down at 1k tokens: 80 tiles of 128 x 256
+    assert not gemm._streamk_remainder_small(192, 132)  # 8B qkv: 60 left over
 
 
 def _streamk_flags(gemm) -> list[int]:

@@ -509,11 +509,11 @@ def _gemm_streamk_kernel(
     dp_tiles = (tiles // P) * P
     for tile in range(pid, dp_tiles, P):  # the full waves: a whole tile a program
         pid_m, pid_n = _tile_coords(tile, grid_m, grid_n, GROUP_M)
-        acc = _k_steps(
-            a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, DOT_T, PREC
-        )
+        om = pid_m * BLOCK_M
+        on = pid_n * BLOCK_N
+        acc = _k_steps(a_desc, b_desc, om, on, 0, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, DOT_T, PREC)
         _store_tile(
-            acc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, s_ptr, bias_ptr, o_ptr, stride_om, 0,
+            acc, acc, om, on, M, N, s_ptr, bias_ptr, o_ptr, stride_om, 0,
             BLOCK_M, BLOCK_N, W_INT8, HAS_BIAS, False, ROUND, False,
         )  # fmt: skip
     # the rest, stream-K: iterations of the tiles from dp_tiles on, counted from 0
@@ -731,12 +731,11 @@ _SMS: dict = {}
 _STREAMK_WS: dict = {}
 
 
-def _streamk_remainder_small(T: int, N: int, bm: int, bn: int, sms: int) -> bool:
+def _streamk_remainder_small(tiles: int, sms: int) -> bool:
     """Whether the tiles left after stream-K's full waves are too few to share out: under sms / 8
     tiles, each program gets a sliver of k-steps and one program would add up to ~sms partial tiles
     in series (133 tiles on 132 SMs: one tile's k-steps over all 132 programs)."""
-    left = cdiv(T, bm) * cdiv(N, bn) % sms
-    return 0 < left * 8 < sms
+    return 0 < tiles % sms * 8 < sms
 
 
 def _streamk_workspace(device, programs: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -884,11 +883,12 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
             bm = min(bm, 128)  # the same for the swapped tile's token side
         if kind != "ptr" and not _tma_ok(x, wq):
             kind = "ptr"
-        if kind == "streamk" and (swiglu or _streamk_remainder_small(T, N, bm, bn, _num_sms(x.device))):
+        tiles, n_sms = cdiv(T, bm) * cdiv(N, bn), _num_sms(x.device)
+        if kind == "streamk" and (swiglu or _streamk_remainder_small(tiles, n_sms)):
             kind = "tma"  # stream-K has one accumulator and the plain epilogue; see the helper
         if kind == "ptr":
             wcols = bn * 2 if swiglu else bn  # the pointer kernel's tile holds gate and up rows
-            _gemm_kernel[(cdiv(T, bm) * cdiv(N, bn),)](
+            _gemm_kernel[(tiles,)](
                 x,
                 wq,
                 scale,
@@ -916,8 +916,7 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
                 num_stages=stages,
             )
         elif kind == "streamk":
-            tiles = cdiv(T, bm) * cdiv(N, bn)
-            programs = min(_num_sms(x.device), tiles * cdiv(K, bk))
+            programs = min(n_sms, tiles * cdiv(K, bk))
             ws, flags = _streamk_workspace(x.device, programs, bm * bn)
             _gemm_streamk_kernel[(programs,)](
                 TensorDescriptor(x, [T, K], [x.stride(0), 1], [bm, bk]),
@@ -949,8 +948,7 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
                 b_desc = TensorDescriptor(wq, [2, N, K], [N * wq.stride(0), wq.stride(0), 1], [2, bn, bk])
             else:
                 b_desc = TensorDescriptor(wq, [n_rows, K], [wq.stride(0), 1], [bn, bk])
-            n_sms = _num_sms(x.device)
-            grid = (min(n_sms, cdiv(T, bm) * cdiv(N, bn)),)
+            grid = (min(n_sms, tiles),)
             _gemm_tma_kernel[grid](
                 a_desc,
                 b_desc,
