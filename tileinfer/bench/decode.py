@@ -70,16 +70,20 @@ def time_steps(runner: ModelRunner, seq, tokens: list[int], mode: str) -> float:
     return dt
 
 
-def bench_model(
-    name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int, copy_GBps: float, log=print
-) -> list[dict]:
-    """Rows of one model (see the module docstring)."""
+def decode_runners(name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int):
+    """For one registered model's shape with random weights: yields ``(quant, backend, ctx, runner,
+    seq, tokens)`` for each combination, the runner's cache prefilled with ``ctx`` tokens and
+    ``tokens`` the ``steps + 2`` next ones to decode. Runner and weights are freed after each.
+
+    Raises:
+        UserError: a model without a registered config.
+        RuntimeError: a backend whose runner cannot capture a CUDA graph.
+    """
     config = model_config(name)  # raises UserError for a model without a config
     hf = model_entry(name)["config"]
     sd = random_state_dict(hf, seed=0, device="cuda")
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (max(contexts) + steps + 2,), generator=g).tolist()
-    rows = []
     for quant in quants:
         scheme = named_scheme(quant)
         int8_kv = scheme.kv_cache == "int8"
@@ -93,28 +97,37 @@ def bench_model(
                     raise RuntimeError(f"backend {backend} is not capturable in a CUDA graph")
                 seq = runner.new_sequence()
                 runner.prefill(seq, tokens[:ctx])
-                roof = copy_GBps * 1e9 / bytes_per_step(runner, ctx)
-                dts = {mode: time_steps(runner, seq, tokens[ctx : ctx + steps + 2], mode) for mode in MODES}
-                for mode, dt in dts.items():
-                    rows.append(
-                        dict(
-                            model=name,
-                            quant=quant,
-                            backend=backend,
-                            ctx=ctx,
-                            mode=mode,
-                            ms_per_tok=round(dt * 1e3, 3),
-                            tok_s=round(1 / dt, 1),
-                            roofline_tok_s=round(roof, 1),
-                            frac_roofline=round(1 / dt / roof, 3),
-                            graph_speedup=round(dts["eager"] / dts["graph"], 2),
-                        )
-                    )
-                    log(" ".join(f"{k}={v}" for k, v in rows[-1].items()))
+                yield quant, backend, ctx, runner, seq, tokens[ctx : ctx + steps + 2]
                 seq.release()
                 del runner
                 torch.cuda.empty_cache()
         del model
+
+
+def bench_model(
+    name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int, copy_GBps: float, log=print
+) -> list[dict]:
+    """Rows of one model (see the module docstring)."""
+    rows = []
+    for quant, backend, ctx, runner, seq, step_tokens in decode_runners(name, backends, quants, contexts, steps):
+        roof = copy_GBps * 1e9 / bytes_per_step(runner, ctx)
+        dts = {mode: time_steps(runner, seq, step_tokens, mode) for mode in MODES}
+        for mode, dt in dts.items():
+            rows.append(
+                dict(
+                    model=name,
+                    quant=quant,
+                    backend=backend,
+                    ctx=ctx,
+                    mode=mode,
+                    ms_per_tok=round(dt * 1e3, 3),
+                    tok_s=round(1 / dt, 1),
+                    roofline_tok_s=round(roof, 1),
+                    frac_roofline=round(1 / dt / roof, 3),
+                    graph_speedup=round(dts["eager"] / dts["graph"], 2),
+                )
+            )
+            log(" ".join(f"{k}={v}" for k, v in rows[-1].items()))
     return rows
 
 
