@@ -1,13 +1,15 @@
-"""The cuTile backend's INT8 decode GEMV (one row, weights as "unit floats", no tensor cores).
+"""The cuTile backend's decode GEMVs (one row, no tensor cores) in tileinfer/ops/cutile/gemm.py.
 
-``gemv_int8_unit_kernel`` / ``gemv_swiglu_int8_unit_kernel`` (tileinfer/ops/cutile/gemm.py) turn
-each int8 weight into the float32 ``1 + (w + 128) * 2^-15`` by bit operations and remove the bias
-once per output. CPU: the bit identities the kernels rely on, checked for every byte value with
-the kernels' own integer expressions, and the routing (which products take the path) on meta
-tensors. GPU (cutile target only): linear with and without bias and swiglu at T == 1 against the
-reference, bf16, at Qwen3-4B/8B's projections and Qwen2.5-0.5B's (896 in, 4864 inter: K and N
-that are not multiples of the tiles), one fp16 case; tolerance 1e-2 relative in norm, as the
-other GPU GEMM tests (the unit form adds ~5e-5 to bf16's roundings).
+INT8: ``gemv_int8_unit_kernel`` / ``gemv_swiglu_int8_unit_kernel`` turn each int8 weight into the
+float32 ``1 + (w + 128) * 2^-15`` by bit operations and remove the bias once per output. BF16:
+``gemv_fma_kernel`` / ``gemv_swiglu_fma_kernel`` widen bf16 weights to float32 and accumulate
+elementwise products, for K >= FMA_MIN_K and the outputs the mma path would not split along K. CPU: the bit
+identities the INT8 kernels rely on, checked for every byte value with the kernels' own integer
+expressions, and the routing (which products take which path) on meta tensors. GPU (cutile target
+only): linear with and without bias and swiglu at T == 1 against the reference, bf16, at Qwen3-4B/8B's
+projections and Qwen2.5-0.5B's (896 in, 4864 inter: K and N that are not multiples of the tiles),
+one fp16 case; tolerance 1e-2 relative in norm, as the other GPU GEMM tests (the unit form adds
+~5e-5 to bf16's roundings).
 """
 
 from __future__ import annotations
@@ -66,12 +68,17 @@ def _recorded(op, x, w, *args) -> list[str]:
     return [kernel._pyfunc.__name__ for kernel, _grid, _args in launches]
 
 
+def x(t, k, dt=torch.bfloat16):
+    return torch.empty(t, k, dtype=dt, device="meta")
+
+
+def w16(n, k, dt=torch.bfloat16):
+    return torch.empty(n, k, dtype=dt, device="meta")
+
+
 def test_routing():
     """T == 1 with an INT8 weight and bf16/fp16 x takes the unit-float kernels; float32 x, the
     float32 logits, more rows, a BF16 weight and K not a multiple of 4 keep the mma kernels."""
-
-    def x(t, k, dt=torch.bfloat16):
-        return torch.empty(t, k, dtype=dt, device="meta")
 
     def w8(n, k):
         return Int8Weight(
@@ -87,10 +94,40 @@ def test_routing():
         _recorded("linear", x(1, 4864, torch.float32), w8(896, 4864)),
         _recorded("lm_head", x(1, 896), w8(151936, 896)),
         _recorded("linear", x(2, 4864), w8(896, 4864)),
-        _recorded("linear", x(1, 4864), torch.empty(896, 4864, dtype=torch.bfloat16, device="meta")),
+        _recorded("linear", x(1, 4864), w16(896, 4864)),
         _recorded("linear", x(1, 4862), w8(896, 4862)),
     ):
         assert kernels and not any("unit" in k for k in kernels), kernels
+
+
+def test_routing_bf16_fma(monkeypatch):
+    """T == 1 with a weight in x's dtype (bf16, fp16) and K >= FMA_MIN_K takes the FMA kernels
+    where the mma path would keep the output unsplit (Qwen3-8B qkv 6144 and gate_up 2 x 12288
+    wide: >= MIN_BLOCKS 64-row blocks); the narrow o (4096 wide) only with FMA_SPLIT_SHAPES; never
+    a shorter K (Qwen3-4B's 2560), the float32 logits, float32 x, more rows, or with BF16_FMA off."""
+    pytest.importorskip("cuda.tile")
+    from tileinfer.ops.cutile import gemm
+
+    bias = torch.empty(6144, dtype=torch.bfloat16, device="meta")
+    assert _recorded("linear", x(1, 4096), w16(6144, 4096)) == ["gemv_fma_kernel"]
+    assert _recorded("linear", x(1, 4096), w16(6144, 4096), bias) == ["gemv_fma_kernel"]
+    assert _recorded("linear", x(1, 4096, torch.float16), w16(6144, 4096, torch.float16)) == ["gemv_fma_kernel"]
+    assert _recorded("swiglu", x(1, 4096), w16(2 * 12288, 4096)) == ["gemv_swiglu_fma_kernel"]
+    others = [
+        _recorded("linear", x(1, 4096), w16(4096, 4096)),
+        _recorded("linear", x(1, 2560), w16(6144, 2560)),
+        _recorded("linear", x(1, 4096, torch.float32), w16(6144, 4096, torch.float32)),
+        _recorded("lm_head", x(1, 4096), w16(151936, 4096)),
+        _recorded("linear", x(2, 4096), w16(6144, 4096)),
+    ]
+    monkeypatch.setattr(gemm, "FMA_SPLIT_SHAPES", True)
+    assert _recorded("linear", x(1, 4096), w16(4096, 4096)) == ["gemv_fma_kernel"]
+    monkeypatch.setattr(gemm, "FMA_MIN_K", 2560)
+    assert _recorded("linear", x(1, 2560), w16(6144, 2560)) == ["gemv_fma_kernel"]
+    monkeypatch.setattr(gemm, "BF16_FMA", False)
+    others.append(_recorded("swiglu", x(1, 4096), w16(2 * 12288, 4096)))
+    for kernels in others:
+        assert kernels and not any("fma" in k for k in kernels), kernels
 
 
 def _spy_kernels(monkeypatch) -> list[str]:
@@ -108,22 +145,40 @@ def _spy_kernels(monkeypatch) -> list[str]:
     return names
 
 
+# the kernels a T == 1 product launches, per weight kind: (linear, swiglu)
+GEMV_KERNELS = {
+    "int8": ("gemv_int8_unit_kernel", "gemv_swiglu_int8_unit_kernel"),
+    "bf16": ("gemv_fma_kernel", "gemv_swiglu_fma_kernel"),
+}
+
+
 @pytest.mark.cases(
-    "model,proj,dt",
+    "weight,model,proj,dt",
     targets=("cutile",),
-    model=[(m, p, "bf16") for m, p in GPU_SHAPES] + [("qwen3-4b-random", "qkv", "f16")],
+    model=[(wt, m, p, "bf16") for wt in GEMV_KERNELS for m, p in GPU_SHAPES]
+    + [("int8", "qwen3-4b-random", "qkv", "f16"), ("bf16", "qwen3-4b-random", "gate_up", "f16")],
 )
-def test_int8_gemv_unit(target, monkeypatch, model, proj, dt):
+def test_decode_gemv(target, monkeypatch, weight, model, proj, dt):
+    """Each projection through the unit-float INT8 kernels, or (a weight in x's dtype) the FMA
+    kernels, which here take every shape (FMA_SPLIT_SHAPES on and FMA_MIN_K 0: o, down and the
+    shorter K of 4B and 0.5B too)."""
+    from tileinfer.ops.cutile import gemm
+
+    monkeypatch.setattr(gemm, "FMA_SPLIT_SHAPES", True)
+    monkeypatch.setattr(gemm, "FMA_MIN_K", 0)
     n, k, has_bias = GPU_SHAPES[model, proj]
     dt = {"bf16": torch.bfloat16, "f16": torch.float16}[dt]
+    linear, swiglu = GEMV_KERNELS[weight]
     launched = _spy_kernels(monkeypatch)
     x = torch.randn(1, k, device="cuda").to(dt)
-    wq = q8((torch.randn(n, k, device="cuda") * k**-0.5).to(dt))
+    w = (torch.randn(n, k, device="cuda") * k**-0.5).to(dt)
+    if weight == "int8":
+        w = q8(w)
     if proj == "gate_up":
-        close(target.ops.swiglu(x, wq), R.swiglu(x, wq), 1e-2, f"{model} swiglu {n}x{k}")
-        assert launched == ["gemv_swiglu_int8_unit_kernel"]
+        close(target.ops.swiglu(x, w), R.swiglu(x, w), 1e-2, f"{model} swiglu {n}x{k}")
+        assert launched == [swiglu]
         return
-    close(target.ops.linear(x, wq), R.linear(x, wq), 1e-2, f"{model} {proj} {n}x{k}")
+    close(target.ops.linear(x, w), R.linear(x, w), 1e-2, f"{model} {proj} {n}x{k}")
     b = torch.randn(n, device="cuda").to(dt)
-    close(target.ops.linear(x, wq, b), R.linear(x, wq, b), 1e-2, f"{model} {proj} {n}x{k} + bias")
-    assert launched == ["gemv_int8_unit_kernel"] * 2
+    close(target.ops.linear(x, w, b), R.linear(x, w, b), 1e-2, f"{model} {proj} {n}x{k} + bias")
+    assert launched == [linear] * 2

@@ -41,6 +41,11 @@ PLAN_OVERRIDE: dict = {}  # bench: force TN / TK / S
 INT8_UNIT = True  # T == 1 INT8 linear/swiglu through the unit-float FMA GEMV (False: the mma path, for A/B runs)
 UNIT_TN = 16  # output channels per unit-float GEMV block (H200 A/B: 16 beat 8 by 11-15% whole-model)
 UNIT_TKW = 256  # int32 words (4 weights each) per unit-float GEMV tile (H200 A/B: 128 and 512 were slower)
+BF16_FMA = True  # T == 1 bf16/fp16 linear/swiglu through the float32-FMA GEMV (False: the mma path, for A/B runs)
+FMA_SPLIT_SHAPES = False  # also the shapes the mma path splits along K (narrow outputs: o, down)
+FMA_TN = 8  # output channels per FMA GEMV block (many small blocks, as the Triton GEMV)
+FMA_TK = 512  # weights of a row per FMA GEMV tile
+FMA_MIN_K = 4096  # shortest reduction that takes the FMA GEMV (a block's x load and reduction amortized)
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -344,6 +349,63 @@ def gemv_swiglu_int8_unit_kernel(x, w, scale, out, TN: ConstInt, TKW: ConstInt):
     ct.store(out, (0, j), ct.astype(_silu_mul(g, u), out.dtype))
 
 
+# BF16 decode GEMV without tensor cores (T == 1): the mma kernels above pad x to 16 rows and need
+# 64-row weight tiles (the HGMMA M), so a 4B gate_up has 152 blocks; here each block owns FMA_TN
+# rows, converts its weight tile to float32 and accumulates ``w * x`` elementwise in a [TN, TK]
+# register tile, reduced once at the end (the Triton backend's ``_gemv_kernel`` design): thousands
+# of short blocks keep more loads in flight.
+
+
+def _fma_x(x, kk, TK):
+    """x[0, kk * TK : (kk + 1) * TK] as float32 [1, TK] (zero past K)."""
+    return ct.astype(ct.load(x, (0, kk), shape=(1, TK), padding_mode=ZERO), ct.float32)
+
+
+@ct.kernel(occupancy=4)
+def gemv_fma_kernel(x, w, bias, out, TN: ConstInt, TK: ConstInt, HAS_BIAS: ConstBool):
+    """BF16/fp16 decode linear, out = x @ w.T (+ bias), float32 FMAs.
+
+    x: [1, K]; w: [N, K] in x's dtype; bias: [N] or a dummy (HAS_BIAS); out: [1, N] in x's dtype.
+    One block per TN output channels, all of K in the block, then ``_finish``. The first weight
+    tile is requested before the PDL wait.
+    """
+    ct.grid_dependency_control_launch_dependents()
+    j = ct.bid(0)
+    nk = ct.cdiv(w.shape[1], TK)
+    wt = ct.load(w, (j, 0), shape=(TN, TK), padding_mode=ZERO, latency=10)
+    ct.grid_dependency_control_wait()
+    acc = ct.astype(wt, ct.float32) * _fma_x(x, 0, TK)
+    for kk in range(1, nk):
+        wt = ct.load(w, (j, kk), shape=(TN, TK), padding_mode=ZERO, latency=10)
+        acc = acc + ct.astype(wt, ct.float32) * _fma_x(x, kk, TK)
+    y = ct.reshape(ct.sum(acc, axis=1), (1, TN))
+    y = _finish(y, 0.0, _row_vec(bias, j, TN, HAS_BIAS), out.dtype, False, HAS_BIAS, False)
+    ct.store(out, (0, j), ct.astype(y, out.dtype))
+
+
+@ct.kernel(occupancy=4)
+def gemv_swiglu_fma_kernel(x, w, out, TN: ConstInt, TK: ConstInt):
+    """BF16/fp16 decode SwiGLU, out = silu(x @ Wg.T) * (x @ Wu.T), float32 FMAs.
+
+    x: [1, K]; w: [2, inter, K] (the stacked gate_up weight, gate half first) in x's dtype; out:
+    [1, inter]. One block per TN channels of both halves, loaded as one [2, TN, TK] tile and
+    reshaped to [2 * TN, TK] (as ``gemv_swiglu_int8_unit_kernel``), one accumulator.
+    """
+    ct.grid_dependency_control_launch_dependents()
+    j = ct.bid(0)
+    nk = ct.cdiv(w.shape[2], TK)
+    wt = ct.load(w, (0, j, 0), shape=(2, TN, TK), padding_mode=ZERO, latency=10)
+    ct.grid_dependency_control_wait()
+    acc = ct.astype(ct.reshape(wt, (2 * TN, TK)), ct.float32) * _fma_x(x, 0, TK)
+    for kk in range(1, nk):
+        wt = ct.load(w, (0, j, kk), shape=(2, TN, TK), padding_mode=ZERO, latency=10)
+        acc = acc + ct.astype(ct.reshape(wt, (2 * TN, TK)), ct.float32) * _fma_x(x, kk, TK)
+    y = ct.reshape(ct.sum(acc, axis=1), (2, TN))  # gate, up
+    g = _finish(ct.extract(y, (0, 0), shape=(1, TN)), 0.0, 0.0, out.dtype, False, False, False)
+    u = _finish(ct.extract(y, (1, 0), shape=(1, TN)), 0.0, 0.0, out.dtype, False, False, False)
+    ct.store(out, (0, j), ct.astype(_silu_mul(g, u), out.dtype))
+
+
 # -------------------------------------------------------------------------------- GEMM kernels
 
 
@@ -486,6 +548,27 @@ def _run_unit(x: torch.Tensor, wq: torch.Tensor, scale, b, has_bias: bool, out: 
     return out
 
 
+def _fma_ok(x: torch.Tensor, wq: torch.Tensor, int8: bool, logits: bool, n_out: int, swiglu: bool) -> bool:
+    """Whether a product takes the float32-FMA BF16 GEMV: one row, a weight in x's dtype (bf16 or
+    fp16) with unit column stride, K >= FMA_MIN_K, not the float32 logits; and, unless
+    FMA_SPLIT_SHAPES, an output wide enough that the mma path would not split it along K."""
+    if not (BF16_FMA and not int8 and not logits and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if wq.dtype != x.dtype or wq.stride(1) != 1 or x.shape[1] < FMA_MIN_K:
+        return False
+    return FMA_SPLIT_SHAPES or skinny_plan(n_out, wq.shape[0], x.shape[1], wq.element_size(), swiglu)["S"] == 1
+
+
+def _run_fma(x: torch.Tensor, wq: torch.Tensor, b, has_bias: bool, out: torch.Tensor, swiglu: bool):
+    """Launch the float32-FMA BF16 GEMV (see :func:`_fma_ok`); one block per FMA_TN output channels."""
+    grid = (cdiv(out.shape[1], FMA_TN), 1, 1)
+    if swiglu:  # half the K tile: its [2 * TN, TK / 2] registers match the linear kernel's (a full one spills)
+        launch(gemv_swiglu_fma_kernel, grid, (x, wq.unflatten(0, (2, out.shape[1])), out, FMA_TN, FMA_TK // 2))
+    else:
+        launch(gemv_fma_kernel, grid, (x, wq, b, out, FMA_TN, FMA_TK, has_bias))
+    return out
+
+
 def _run(x: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor, swiglu: bool, logits: bool) -> torch.Tensor:
     wq, scale, int8 = _weight(w)
     T, K = x.shape
@@ -497,6 +580,8 @@ def _run(x: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor, swigl
     n_out = out.shape[1]
     if _unit_ok(x, wq, int8, logits):
         return _run_unit(x, wq, sc, b, bias is not None, out, swiglu)
+    if _fma_ok(x, wq, int8, logits, n_out, swiglu):
+        return _run_fma(x, wq, b, bias is not None, out, swiglu)
     if T <= SKINNY_ROWS:
         p = skinny_plan(n_out, wq.shape[0], K, wq.element_size(), swiglu)
         tn, tk, s = p["TN"], p["TK"], p["S"]
