@@ -222,3 +222,19 @@ def test_reference_prefill_chunks_and_decode_agree_with_one_shot():
     # against float64, measured 3.6e-7
     want = dense_causal(q * 0.25 * 16**0.5, k, v, torch.arange(L))  # SDPA scales by d**-0.5
     assert (whole.double() - want).abs().max() < 2e-6
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4, 8, 16, 40, 132, 200])
+def test_cutile_decode_splits_fill_one_wave(kv_heads):
+    """cuTile's split count: a power of two, the most (KV head, split) blocks that fit one block
+    per SM (doubling it would not), capped by the pages (to a power of two) and MAX_SPLITS."""
+    pytest.importorskip("cuda.tile")
+    from tileinfer.ops.cutile import paged_attention as A
+    from tileinfer.ops.cutile._common import NUM_SMS
+
+    s = A.decode_splits(kv_heads, 1 << 20)
+    assert s & (s - 1) == 0 and 1 <= s <= A.MAX_SPLITS
+    assert kv_heads * s <= NUM_SMS or s == 1
+    assert kv_heads * 2 * s > NUM_SMS or s == A.MAX_SPLITS
+    for pages in (1, 3, 4, 5):
+        assert A.decode_splits(kv_heads, pages) == min(s, 1 << (pages - 1).bit_length())

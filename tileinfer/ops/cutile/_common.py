@@ -26,9 +26,8 @@ ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
 NEG_INF = ct.PaddingMode.NEG_INF
 
-# H200 figures the grid heuristics aim at (two waves of blocks keep every SM busy).
+# The H200's SM count, which the grid heuristics aim at.
 NUM_SMS = 132
-TARGET_BLOCKS = 2 * NUM_SMS
 
 # Programmatic dependent launch (Hopper): each kernel is launched with the PDL attribute, lets its
 # successor launch as soon as all its blocks have started (``pdl_prologue``), and waits for its

@@ -32,7 +32,7 @@ from tileinfer.ops import fallback
 from tileinfer.ops import reference as ref
 from tileinfer.ops.cutile._common import (
     LOG2E,
-    TARGET_BLOCKS,
+    NUM_SMS,
     ZERO,
     ConstBool,
     ConstInt,
@@ -300,8 +300,15 @@ def decode_combine_kernel(o_part, m_part, l_part, out, SP: ConstInt, D: ConstInt
 
 
 def decode_splits(kv_heads: int, max_pages: int) -> int:
-    """Context splits per KV head: a power of two giving ~2 blocks per SM, from shapes only."""
-    return max(1, min(next_pow2(cdiv(TARGET_BLOCKS, kv_heads)), next_pow2(max_pages), MAX_SPLITS))
+    """Context splits per KV head, from shapes only: the largest power of two whose blocks
+    (kv_heads x splits) fit in one wave of one block per SM, and no more than the pages rounded
+    up to a power of two.
+
+    H200, whole-model A/B (benchmarks/results/h200-2026-12-03-cutile-attn-splits.md): for 8 KV
+    heads 16 splits beat 32 and 64 (more waves of blocks) and 8 (fewer pages in flight), 1k and 32k.
+    """
+    one_wave = 1 << (max(1, NUM_SMS // kv_heads).bit_length() - 1)
+    return max(1, min(one_wave, next_pow2(max_pages), MAX_SPLITS))
 
 
 def decode_rows(T: int, group: int) -> tuple[int, int]:
