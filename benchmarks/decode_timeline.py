@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 
 import polars as pl
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tileinfer.bench.decode import decode_runners
+from tileinfer.bench.decode import each_runner
 from tileinfer.bench.ops import save
 
 
@@ -98,27 +99,29 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="triton")
     p.add_argument("--quants", default="bf16")
     p.add_argument("--contexts", default="1024")
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=16, help="profiled decode steps (>= 1)")
     p.add_argument("--out", default="runs/timeline")
     a = p.parse_args(argv)
+    if a.steps < 1:
+        p.error("--steps must be >= 1")
     if not torch.cuda.is_available():
         print("no CUDA device: the decode timeline needs a GPU", file=sys.stderr)
         return 2
     frames = []
-    for name in a.models.split(","):
-        runs = decode_runners(
-            name, a.backends.split(","), a.quants.split(","), [int(c) for c in a.contexts.split(",")], a.steps
+
+    def record(name, quant, backend, ctx, runner, seq, step_tokens):
+        df = timeline(runner, seq, step_tokens)
+        print(f"{name} {quant} {backend} ctx={ctx}: {df['us_per_step'].sum():.1f} us per step")
+        print(df.sort("us_per_step", descending=True))
+        frames.append(df.with_columns(model=pl.lit(name), quant=pl.lit(quant), backend=pl.lit(backend), ctx=ctx))
+        rows = pl.concat(frames).select(
+            "model", "quant", "backend", "ctx", pl.exclude("model", "quant", "backend", "ctx")
         )
-        for quant, backend, ctx, runner, seq, step_tokens in runs:
-            df = timeline(runner, seq, step_tokens)
-            total = df["us_per_step"].sum()
-            print(f"{name} {quant} {backend} ctx={ctx}: {total:.1f} us per step")
-            print(df.sort("us_per_step", descending=True))
-            frames.append(df.with_columns(model=pl.lit(name), quant=pl.lit(quant), backend=pl.lit(backend), ctx=ctx))
-            rows = pl.concat(frames).select(
-                "model", "quant", "backend", "ctx", pl.exclude("model", "quant", "backend", "ctx")
-            )
-            save(rows.with_columns(pl.col(pl.Float64).round(3)).to_dicts(), a.out, "timeline", "")
+        save(rows.with_columns(pl.col(pl.Float64).round(3)).to_dicts(), a.out, "timeline", "")
+
+    for name in a.models.split(","):
+        contexts = [int(c) for c in a.contexts.split(",")]
+        each_runner(name, a.backends.split(","), a.quants.split(","), contexts, a.steps, partial(record, name))
     return 0
 
 

@@ -8,7 +8,7 @@ identities the INT8 kernels rely on, checked for every byte value with the kerne
 expressions, and the routing (which products take which path) on meta tensors. GPU (cutile target
 only): linear with and without bias and swiglu at T == 1 against the reference, bf16, at Qwen3-4B/8B's
 projections and Qwen2.5-0.5B's (896 in, 4864 inter: K and N that are not multiples of the tiles),
-one fp16 case; tolerance 1e-2 relative in norm, as the other GPU GEMM tests (the unit form adds
+one fp16 case of each; tolerance 1e-2 relative in norm, as the other GPU GEMM tests (the unit form adds
 ~5e-5 to bf16's roundings).
 """
 
@@ -97,14 +97,15 @@ def test_routing():
         _recorded("linear", x(1, 4864), w16(896, 4864)),
         _recorded("linear", x(1, 4862), w8(896, 4862)),
     ):
-        assert kernels and not any("unit" in k for k in kernels), kernels
+        assert kernels and not any("unit" in k or "fma" in k for k in kernels), kernels
 
 
 def test_routing_bf16_fma(monkeypatch):
     """T == 1 with a weight in x's dtype (bf16, fp16) and K >= FMA_MIN_K takes the FMA kernels
     where the mma path would keep the output unsplit (Qwen3-8B qkv 6144 and gate_up 2 x 12288
     wide: >= MIN_BLOCKS 64-row blocks); the narrow o (4096 wide) only with FMA_SPLIT_SHAPES; never
-    a shorter K (Qwen3-4B's 2560), the float32 logits, float32 x, more rows, or with BF16_FMA off."""
+    a shorter K (Qwen3-4B's 2560), the float32 logits, float32 x, more rows, a forced plan
+    (PLAN_OVERRIDE), or with BF16_FMA off."""
     pytest.importorskip("cuda.tile")
     from tileinfer.ops.cutile import gemm
 
@@ -124,6 +125,9 @@ def test_routing_bf16_fma(monkeypatch):
     assert _recorded("linear", x(1, 4096), w16(4096, 4096)) == ["gemv_fma_kernel"]
     monkeypatch.setattr(gemm, "FMA_MIN_K", 2560)
     assert _recorded("linear", x(1, 2560), w16(6144, 2560)) == ["gemv_fma_kernel"]
+    monkeypatch.setattr(gemm, "PLAN_OVERRIDE", {"S": 1})  # a plan sweep times the mma kernels
+    others.append(_recorded("linear", x(1, 4096), w16(6144, 4096)))
+    monkeypatch.setattr(gemm, "PLAN_OVERRIDE", {})
     monkeypatch.setattr(gemm, "BF16_FMA", False)
     others.append(_recorded("swiglu", x(1, 4096), w16(2 * 12288, 4096)))
     for kernels in others:

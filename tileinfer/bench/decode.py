@@ -70,10 +70,12 @@ def time_steps(runner: ModelRunner, seq, tokens: list[int], mode: str) -> float:
     return dt
 
 
-def decode_runners(name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int):
-    """For one registered model's shape with random weights: yields ``(quant, backend, ctx, runner,
-    seq, tokens)`` for each combination, the runner's cache prefilled with ``ctx`` tokens and
-    ``tokens`` the ``steps + 2`` next ones to decode. Runner and weights are freed after each.
+def each_runner(name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int, visit) -> list:
+    """For one registered model's shape with random weights, calls ``visit(quant, backend, ctx,
+    runner, seq, tokens)`` for each combination, the runner's cache prefilled with ``ctx`` tokens
+    and ``tokens`` the ``steps + 2`` next ones to decode; returns what the calls returned, in order.
+    Each runner and its cache are freed before the next is built, and each quant's weights before
+    the next quant's (so ``visit`` must not keep them).
 
     Raises:
         UserError: a model without a registered config.
@@ -84,6 +86,7 @@ def decode_runners(name: str, backends: list[str], quants: list[str], contexts: 
     sd = random_state_dict(hf, seed=0, device="cuda")
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (max(contexts) + steps + 2,), generator=g).tolist()
+    results = []
     for quant in quants:
         scheme = named_scheme(quant)
         int8_kv = scheme.kv_cache == "int8"
@@ -96,22 +99,26 @@ def decode_runners(name: str, backends: list[str], quants: list[str], contexts: 
                 if not runner.cuda_graph:
                     raise RuntimeError(f"backend {backend} is not capturable in a CUDA graph")
                 seq = runner.new_sequence()
-                runner.prefill(seq, tokens[:ctx])
-                yield quant, backend, ctx, runner, seq, tokens[ctx : ctx + steps + 2]
-                seq.release()
-                del runner
+                try:
+                    runner.prefill(seq, tokens[:ctx])
+                    results.append(visit(quant, backend, ctx, runner, seq, tokens[ctx : ctx + steps + 2]))
+                finally:
+                    seq.release()
+                del runner, seq
                 torch.cuda.empty_cache()
         del model
+    return results
 
 
 def bench_model(
     name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int, copy_GBps: float, log=print
 ) -> list[dict]:
     """Rows of one model (see the module docstring)."""
-    rows = []
-    for quant, backend, ctx, runner, seq, step_tokens in decode_runners(name, backends, quants, contexts, steps):
+
+    def rows_of(quant, backend, ctx, runner, seq, step_tokens) -> list[dict]:
         roof = copy_GBps * 1e9 / bytes_per_step(runner, ctx)
         dts = {mode: time_steps(runner, seq, step_tokens, mode) for mode in MODES}
+        rows = []
         for mode, dt in dts.items():
             rows.append(
                 dict(
@@ -128,7 +135,9 @@ def bench_model(
                 )
             )
             log(" ".join(f"{k}={v}" for k, v in rows[-1].items()))
-    return rows
+        return rows
+
+    return [row for rows in each_runner(name, backends, quants, contexts, steps, rows_of) for row in rows]
 
 
 def refuse_names(p: argparse.ArgumentParser, option: str, names: str, known) -> None:

@@ -551,8 +551,11 @@ def _run_unit(x: torch.Tensor, wq: torch.Tensor, scale, b, has_bias: bool, out: 
 def _fma_ok(x: torch.Tensor, wq: torch.Tensor, int8: bool, logits: bool, n_out: int, swiglu: bool) -> bool:
     """Whether a product takes the float32-FMA BF16 GEMV: one row, a weight in x's dtype (bf16 or
     fp16) with unit column stride, K >= FMA_MIN_K, not the float32 logits; and, unless
-    FMA_SPLIT_SHAPES, an output wide enough that the mma path would not split it along K."""
-    if not (BF16_FMA and not int8 and not logits and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)):
+    FMA_SPLIT_SHAPES, an output wide enough that the mma path would not split it along K. Never
+    while PLAN_OVERRIDE is set: a plan sweep (bench.ops) times the mma path's plans."""
+    if PLAN_OVERRIDE or not (
+        BF16_FMA and not int8 and not logits and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+    ):
         return False
     if wq.dtype != x.dtype or wq.stride(1) != 1 or x.shape[1] < FMA_MIN_K:
         return False

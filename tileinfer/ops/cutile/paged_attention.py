@@ -305,7 +305,8 @@ def decode_splits(kv_heads: int, max_pages: int) -> int:
     up to a power of two.
 
     H200, whole-model A/B (benchmarks/results/h200-2026-12-03-cutile-attn-splits.md): for 8 KV
-    heads 16 splits beat 32 and 64 (more waves of blocks) and 8 (fewer pages in flight), 1k and 32k.
+    heads 16 splits beat 32 at 1k and 32 and 64 at 32k (more waves of blocks), and 8 (fewer pages in
+    flight). Other KV head counts follow the rule unmeasured.
     """
     one_wave = 1 << (max(1, NUM_SMS // kv_heads).bit_length() - 1)
     return max(1, min(one_wave, next_pow2(max_pages), MAX_SPLITS))
