@@ -119,8 +119,8 @@ def main(argv=None) -> int:
         )
         save(rows.with_columns(pl.col(pl.Float64).round(3)).to_dicts(), a.out, "timeline", "")
 
+    contexts = [int(c) for c in a.contexts.split(",")]
     for name in a.models.split(","):
-        contexts = [int(c) for c in a.contexts.split(",")]
         each_runner(name, a.backends.split(","), a.quants.split(","), contexts, a.steps, partial(record, name))
     return 0
 

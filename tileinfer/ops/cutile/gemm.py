@@ -517,6 +517,11 @@ def _unsupported(op: str, x: torch.Tensor, wq: torch.Tensor) -> str | None:
     return None
 
 
+def _half_row(x: torch.Tensor, logits: bool) -> bool:
+    """One row of bf16/fp16 activations, not the float32 logits: what both no-mma GEMVs take."""
+    return not logits and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def _unit_ok(x: torch.Tensor, wq: torch.Tensor, int8: bool, logits: bool) -> bool:
     """Whether a product takes the unit-float INT8 GEMV: one row, an INT8 weight, bf16/fp16
     activations and output (float32 ones keep the exact mma path: the unit form keeps ~15 bits of
@@ -525,9 +530,7 @@ def _unit_ok(x: torch.Tensor, wq: torch.Tensor, int8: bool, logits: bool) -> boo
     return (
         INT8_UNIT
         and int8
-        and not logits
-        and x.shape[0] == 1
-        and x.dtype in (torch.bfloat16, torch.float16)
+        and _half_row(x, logits)
         and wq.shape[1] % 4 == 0
         and wq.stride(1) == 1
         and wq.stride(0) % 4 == 0
@@ -548,18 +551,16 @@ def _run_unit(x: torch.Tensor, wq: torch.Tensor, scale, b, has_bias: bool, out: 
     return out
 
 
-def _fma_ok(x: torch.Tensor, wq: torch.Tensor, int8: bool, logits: bool, n_out: int, swiglu: bool) -> bool:
+def _fma_ok(x: torch.Tensor, wq: torch.Tensor, int8: bool, logits: bool, splits: int) -> bool:
     """Whether a product takes the float32-FMA BF16 GEMV: one row, a weight in x's dtype (bf16 or
     fp16) with unit column stride, K >= FMA_MIN_K, not the float32 logits; and, unless
-    FMA_SPLIT_SHAPES, an output wide enough that the mma path would not split it along K. Never
-    while PLAN_OVERRIDE is set: a plan sweep (bench.ops) times the mma path's plans."""
-    if PLAN_OVERRIDE or not (
-        BF16_FMA and not int8 and not logits and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-    ):
+    FMA_SPLIT_SHAPES, an output the mma path's plan does not split along K (``splits`` == 1).
+    Never while PLAN_OVERRIDE is set: a plan sweep (bench.ops) times the mma path's plans."""
+    if PLAN_OVERRIDE or not BF16_FMA or int8 or not _half_row(x, logits):
         return False
     if wq.dtype != x.dtype or wq.stride(1) != 1 or x.shape[1] < FMA_MIN_K:
         return False
-    return FMA_SPLIT_SHAPES or skinny_plan(n_out, wq.shape[0], x.shape[1], wq.element_size(), swiglu)["S"] == 1
+    return FMA_SPLIT_SHAPES or splits == 1
 
 
 def _run_fma(x: torch.Tensor, wq: torch.Tensor, b, has_bias: bool, out: torch.Tensor, swiglu: bool):
@@ -583,11 +584,11 @@ def _run(x: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor, swigl
     n_out = out.shape[1]
     if _unit_ok(x, wq, int8, logits):
         return _run_unit(x, wq, sc, b, bias is not None, out, swiglu)
-    if _fma_ok(x, wq, int8, logits, n_out, swiglu):
-        return _run_fma(x, wq, b, bias is not None, out, swiglu)
     if T <= SKINNY_ROWS:
         p = skinny_plan(n_out, wq.shape[0], K, wq.element_size(), swiglu)
         tn, tk, s = p["TN"], p["TK"], p["S"]
+        if _fma_ok(x, wq, int8, logits, s):
+            return _run_fma(x, wq, b, bias is not None, out, swiglu)
         if s > 1:
             ws = workspace("splitk", (s, T, wq.shape[0]), torch.float32, dev)
             launch(gemv_partial_kernel, (cdiv(wq.shape[0], tn), s, 1), (x, wq, ws, tn, tk, int8))
