@@ -6,6 +6,9 @@
 Random weights with the registered shapes; one sequence of ``--tokens`` prompt tokens prefilled
 in chunks, after one untimed prefill (compilation). Reports the median of ``--reps`` prefills in
 ms and tok/s and the ratio to the first chunk size; writes OUT/prefill-chunks.md and .parquet.
+``--variant NAME=MOD.ATTR=LITERAL[;...]`` (repeatable, as in decode_ab.py) runs every row again with
+those module attributes set; the shipped code runs first as ``shipped``, and each row also gives
+its ratio to the shipped row of the same model, quant, backend and chunk.
 The jobs prefill with the runner's default chunk (512): the GEMM tables were tuned at 1,024.
 """
 
@@ -16,6 +19,7 @@ import statistics
 import time
 
 import torch
+from decode_ab import parse_variant, patched
 
 from quantize import apply, named_scheme
 from tileinfer.bench.ops import save
@@ -48,8 +52,10 @@ def main() -> None:
     p.add_argument("--chunks", default="512,1024,2048")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--variant", action="append", default=[], help="NAME=MODULE.ATTR=LITERAL[;...]")
     p.add_argument("--out", default="runs/bench")
     a = p.parse_args()
+    variants = [("shipped", [])] + [parse_variant(v) for v in a.variant]
     chunks = [int(c) for c in a.chunks.split(",")]
     tokens = torch.randint(0, 1000, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     rows = []
@@ -61,18 +67,31 @@ def main() -> None:
             weights = sd if scheme.weights == "bf16" else apply(sd, config, scheme)[0]
             model = Transformer.from_state_dict(config, weights, device="cuda")
             for backend in a.backends.split(","):
-                base = None
-                for chunk in chunks:
-                    runner = ModelRunner(
-                        model, backend, kv_int8=scheme.kv_cache == "int8", max_seq_len=a.tokens + 2, prefill_chunk=chunk
-                    )
-                    ms = prefill_ms(runner, tokens, a.reps)
-                    base = base or ms
-                    row = dict(model=name, quant=quant, backend=backend, tokens=a.tokens, chunk=chunk)
-                    row |= dict(ms=round(ms, 2), tok_s=round(a.tokens / ms * 1e3), vs_first_chunk=round(base / ms, 3))
-                    rows.append(row)
-                    print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-                    del runner
+                shipped = {}
+                for variant, sets in variants:
+                    base = None
+                    for chunk in chunks:
+                        runner = ModelRunner(
+                            model,
+                            backend,
+                            kv_int8=scheme.kv_cache == "int8",
+                            max_seq_len=a.tokens + 2,
+                            prefill_chunk=chunk,
+                        )
+                        with patched(sets):
+                            ms = prefill_ms(runner, tokens, a.reps)
+                        base = base or ms
+                        shipped.setdefault(chunk, ms)
+                        row = dict(
+                            model=name, quant=quant, backend=backend, variant=variant, tokens=a.tokens, chunk=chunk
+                        )
+                        row |= dict(
+                            ms=round(ms, 2), tok_s=round(a.tokens / ms * 1e3), vs_first_chunk=round(base / ms, 3)
+                        )
+                        row |= dict(vs_shipped=round(shipped[chunk] / ms, 3))
+                        rows.append(row)
+                        print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+                        del runner
             del model, weights
             torch.cuda.empty_cache()
     save(rows, a.out, "prefill-chunks", f"Device {torch.cuda.get_device_name()}.\n\n")
