@@ -238,3 +238,5 @@ def test_cutile_decode_splits_fill_one_wave(kv_heads):
     assert kv_heads * 2 * s > NUM_SMS or s == A.MAX_SPLITS
     for pages in (1, 3, 4, 5):
         assert A.decode_splits(kv_heads, pages) == min(s, 1 << (pages - 1).bit_length())
+    # another GPU's SM count moves the wave: 8 KV heads on 78 SMs fit 8 splits, on 170 still 16
+    assert A.decode_splits(8, 1 << 20, sms=78) == 8 and A.decode_splits(8, 1 << 20, sms=170) == 16

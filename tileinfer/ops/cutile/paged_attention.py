@@ -42,6 +42,7 @@ from tileinfer.ops.cutile._common import (
     launch,
     next_pow2,
     pdl_prologue,
+    sm_count,
     workspace,
 )
 
@@ -299,16 +300,16 @@ def decode_combine_kernel(o_part, m_part, l_part, out, SP: ConstInt, D: ConstInt
     ct.store(out, (t, hq, 0), ct.reshape(ct.astype(num / den, out.dtype), (1, 1, D)))
 
 
-def decode_splits(kv_heads: int, max_pages: int) -> int:
-    """Context splits per KV head, from shapes only: the largest power of two whose blocks
-    (kv_heads x splits) fit in one wave of one block per SM, and no more than the pages rounded
-    up to a power of two.
+def decode_splits(kv_heads: int, max_pages: int, sms: int = NUM_SMS) -> int:
+    """Context splits per KV head, from shapes and the SM count ``sms`` only: the largest power of
+    two whose blocks (kv_heads x splits) fit in one wave of one block per SM, and no more than the
+    pages rounded up to a power of two.
 
     H200, whole-model A/B (benchmarks/results/h200-2026-12-03-cutile-attn-splits.md): for 8 KV
     heads 16 splits beat 32 at 1k and 32 and 64 at 32k (more waves of blocks), and 8 (fewer pages in
     flight). Other KV head counts follow the rule unmeasured.
     """
-    one_wave = 1 << (max(1, NUM_SMS // kv_heads).bit_length() - 1)
+    one_wave = 1 << (max(1, sms // kv_heads).bit_length() - 1)
     return max(1, min(one_wave, next_pow2(max_pages), MAX_SPLITS))
 
 
@@ -375,7 +376,7 @@ def attention(
     scale2 = float(sm_scale) * LOG2E
     if T <= DECODE_ROWS:
         tp, gp = decode_rows(T, H // KVH)
-        S = decode_splits(KVH, block_table.shape[0])
+        S = decode_splits(KVH, block_table.shape[0], sm_count(q.device))
         o_part = workspace("attn_o", (S, T, H, D), torch.float32, q.device)
         m_part = workspace("attn_m", (S, T, H), torch.float32, q.device)
         l_part = workspace("attn_l", (S, T, H), torch.float32, q.device)
