@@ -25,19 +25,48 @@ from functools import partial
 
 import torch
 
-from tileinfer.bench.decode import bench_model
+from quantize import NAMED
+from tileinfer.bench.decode import bench_model, contexts_arg, positive_int, refuse_unknown
 from tileinfer.bench.ops import measure_ceilings, run_sweep, save, sweep_winners
 
 
 def parse_variant(text: str) -> tuple[str, list[tuple[str, str, object]]]:
-    """``NAME=MOD.ATTR=LITERAL;MOD.ATTR=LITERAL`` -> (NAME, [(module, attribute, value)])."""
+    """argparse type of ``--variant``: ``NAME=MOD.ATTR=LITERAL;MOD.ATTR=LITERAL`` -> (NAME, [(module,
+    attribute, value)]), each module imported and each attribute checked here, before any GPU work.
+
+    Raises:
+        argparse.ArgumentTypeError: a malformed text, a module that does not import, an attribute
+            it lacks, or a value that is not a Python literal (one usage line).
+    """
     name, _, rest = text.partition("=")
+    if not name.strip() or "." in name or not rest:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=MODULE.ATTR=LITERAL[;...]")
     sets = []
     for part in rest.split(";"):
         target, _, literal = part.partition("=")
         module, _, attr = target.strip().rpartition(".")
-        sets.append((module, attr, ast.literal_eval(literal.strip())))
-    return name, sets
+        if not module or not attr or not literal.strip():
+            raise argparse.ArgumentTypeError(f"{text!r}: {part!r} is not MODULE.ATTR=LITERAL")
+        try:
+            value = ast.literal_eval(literal.strip())
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"{text!r}: {literal.strip()!r} is not a Python literal") from None
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: cannot import {module}: {e}") from None
+        if not hasattr(mod, attr):
+            raise argparse.ArgumentTypeError(f"{text!r}: {module} has no attribute {attr}")
+        sets.append((module, attr, value))
+    return name.strip(), sets
+
+
+def refuse_variant_names(p: argparse.ArgumentParser, variants: list[tuple[str, list]]) -> None:
+    """Exit with one usage line for a variant named ``shipped`` (the baseline's name) or twice."""
+    names = [n for n, _ in variants]
+    dup = sorted({n for n in names if names.count(n) > 1 or n == "shipped"})
+    if dup:
+        p.error(f"--variant: names must be unique and not 'shipped': {', '.join(dup)}")
 
 
 @contextlib.contextmanager
@@ -72,20 +101,20 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="qwen3-4b-random,qwen3-8b-random")
     p.add_argument("--backends", default="triton")
     p.add_argument("--quants", default="int8_both")
-    p.add_argument("--contexts", default="1024,32768")
-    p.add_argument("--steps", type=int, default=128)
-    p.add_argument("--variant", action="append", default=[], help="NAME=MODULE.ATTR=LITERAL[;...]")
+    p.add_argument("--contexts", type=contexts_arg, default="1024,32768", help="token counts (1024 or 1k)")
+    p.add_argument("--steps", type=positive_int, default=128)
+    p.add_argument("--variant", type=parse_variant, action="append", default=[], help="NAME=MODULE.ATTR=LITERAL[;...]")
     p.add_argument("--sweep", default="", help="Triton sweep families to time first (comma-separated)")
     p.add_argument("--sweep-budget", type=float, default=150.0)
     p.add_argument("--out", default="runs/bench-ab")
     a = p.parse_args(argv)
+    refuse_variant_names(p, a.variant)
+    refuse_unknown(p, a.quants, NAMED, a.models)
     if not torch.cuda.is_available():
         print("no CUDA device: the decode A/B needs a GPU", file=sys.stderr)
         return 2
     # (name, a function giving the context that installs the variant for one run)
-    variants = [("shipped", partial(patched, []))] + [
-        (n, partial(patched, sets)) for n, sets in map(parse_variant, a.variant)
-    ]
+    variants = [("shipped", partial(patched, []))] + [(n, partial(patched, sets)) for n, sets in a.variant]
     ceil = measure_ceilings("cuda")
     header = (
         f"Decode A/B on {torch.cuda.get_device_name()}; copy bandwidth {ceil['copy_GBps']:.0f} GB/s; "
@@ -108,7 +137,7 @@ def main(argv=None) -> int:
                     name,
                     a.backends.split(","),
                     a.quants.split(","),
-                    [int(c) for c in a.contexts.split(",")],
+                    a.contexts,
                     a.steps,
                     ceil["copy_GBps"],
                 )

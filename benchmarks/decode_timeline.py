@@ -25,7 +25,7 @@ import polars as pl
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tileinfer.bench.decode import each_runner
+from tileinfer.bench.decode import contexts_arg, each_runner, positive_int
 from tileinfer.bench.ops import save
 
 
@@ -98,12 +98,10 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="qwen3-4b-random")
     p.add_argument("--backends", default="triton")
     p.add_argument("--quants", default="bf16")
-    p.add_argument("--contexts", default="1024")
-    p.add_argument("--steps", type=int, default=16, help="profiled decode steps (>= 1)")
+    p.add_argument("--contexts", type=contexts_arg, default="1024", help="token counts (1024 or 1k)")
+    p.add_argument("--steps", type=positive_int, default=16, help="profiled decode steps")
     p.add_argument("--out", default="runs/timeline")
     a = p.parse_args(argv)
-    if a.steps < 1:
-        p.error("--steps must be >= 1")
     if not torch.cuda.is_available():
         print("no CUDA device: the decode timeline needs a GPU", file=sys.stderr)
         return 2
@@ -119,9 +117,8 @@ def main(argv=None) -> int:
         )
         save(rows.with_columns(pl.col(pl.Float64).round(3)).to_dicts(), a.out, "timeline", "")
 
-    contexts = [int(c) for c in a.contexts.split(",")]
     for name in a.models.split(","):
-        each_runner(name, a.backends.split(","), a.quants.split(","), contexts, a.steps, partial(record, name))
+        each_runner(name, a.backends.split(","), a.quants.split(","), a.contexts, a.steps, partial(record, name))
     return 0
 
 

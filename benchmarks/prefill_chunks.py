@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
-from decode_ab import parse_variant, patched
+from decode_ab import parse_variant, patched, refuse_variant_names
 
-from quantize import apply, named_scheme
+from quantize import NAMED, apply, named_scheme
+from tileinfer.bench.decode import contexts_arg, positive_int, refuse_unknown
 from tileinfer.bench.ops import save
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.registry import model_config, model_entry
@@ -49,15 +51,21 @@ def main() -> None:
     p.add_argument("--models", default="qwen3-4b-random,qwen3-8b-random")
     p.add_argument("--backends", default="triton")
     p.add_argument("--quants", default="bf16,int8_both")
-    p.add_argument("--chunks", default="512,1024,2048")
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--variant", action="append", default=[], help="NAME=MODULE.ATTR=LITERAL[;...]")
+    p.add_argument("--chunks", type=contexts_arg, default="512,1024,2048", help="token counts (512 or 1k)")
+    p.add_argument("--tokens", type=positive_int, default=8192)
+    p.add_argument("--reps", type=positive_int, default=3)
+    p.add_argument("--variant", type=parse_variant, action="append", default=[], help="NAME=MODULE.ATTR=LITERAL[;...]")
     p.add_argument("--out", default="runs/bench")
     a = p.parse_args()
-    variants = [("shipped", [])] + [parse_variant(v) for v in a.variant]
-    chunks = [int(c) for c in a.chunks.split(",")]
+    refuse_variant_names(p, a.variant)
+    refuse_unknown(p, a.quants, NAMED, a.models)
+    if not torch.cuda.is_available():
+        print("no CUDA device: the prefill benchmark needs a GPU", file=sys.stderr)
+        raise SystemExit(2)
+    variants = [("shipped", [])] + a.variant
+    chunks = a.chunks
     tokens = torch.randint(0, 1000, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+    header = f"Device {torch.cuda.get_device_name()}.\n\n"
     rows = []
     for name in a.models.split(","):
         config = model_config(name)
@@ -94,7 +102,7 @@ def main() -> None:
                         del runner
             del model, weights
             torch.cuda.empty_cache()
-    save(rows, a.out, "prefill-chunks", f"Device {torch.cuda.get_device_name()}.\n\n")
+            save(rows, a.out, "prefill-chunks", header)  # after each quant, so a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

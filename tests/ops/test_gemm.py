@@ -315,3 +315,32 @@ def test_int8_prefill_gemm(target, model, T):
     w = (torch.randn(2 * c.intermediate_size, c.hidden_size, device=dev) * c.hidden_size**-0.5).to(bf)
     for ww in (w, q8(w)):
         close(target.ops.swiglu(x, ww), R.swiglu(x, ww), 1e-2, f"gate_up int8={ww is not w}")
+
+
+@pytest.mark.cases(targets=("cutile",), model=[()])
+def test_cutile_int8_prefill_widening_edges(target):
+    """cuTile's widening pass (INT8 weights from gemm.INT8_WIDEN_ROWS rows) where the model test does
+    not go: 511 / 512 / 513 rows around the threshold, fp16 and float32 activations (widened to their
+    dtype), a column slice of a wider int8 weight (strided rows, K not a multiple of the 256-wide tile),
+    and the float32-logits lm_head at 512 rows (Qwen3-4B's vocabulary). These cases ran ad hoc on
+    the H200 (2026-12-03, each within 1e-6 of the reference); the test as written has not yet."""
+    from tileinfer.ops import Int8Weight
+    from tileinfer.ops.cutile import gemm
+
+    dev, bf = "cuda", torch.bfloat16
+    for T in (gemm.INT8_WIDEN_ROWS - 1, gemm.INT8_WIDEN_ROWS, gemm.INT8_WIDEN_ROWS + 1):
+        x = torch.randn(T, 4096, device=dev).to(bf)
+        wq = q8((torch.randn(4096, 4096, device=dev) / 64).to(bf))
+        close(target.ops.linear(x, wq), R.linear(x, wq), 1e-2, f"T={T}")
+    for dt in (torch.float16, torch.float32):
+        x = torch.randn(700, 2560, device=dev).to(dt)
+        wq = q8((torch.randn(6144, 2560, device=dev) * 2560**-0.5).to(dt))
+        close(target.ops.linear(x, wq), R.linear(x, wq), 1e-2, f"linear {dt}")
+        close(target.ops.swiglu(x, wq), R.swiglu(x, wq), 1e-2, f"swiglu {dt}")
+    wide = q8((torch.randn(3000, 2100, device=dev) / 45).to(bf))
+    sliced = Int8Weight(wide.q[:, 50:2050], wide.scale)
+    x = torch.randn(600, 2000, device=dev).to(bf)
+    close(target.ops.linear(x, sliced), R.linear(x, sliced), 1e-2, "column slice")
+    x = torch.randn(512, 2560, device=dev).to(bf)
+    wq = q8((torch.randn(151936, 2560, device=dev) * 2560**-0.5).to(bf))
+    close(target.ops.lm_head(x, wq), R.lm_head(x, wq), 1e-4, "lm_head")

@@ -140,6 +140,33 @@ def bench_model(
     return [row for rows in each_runner(name, backends, quants, contexts, steps, rows_of) for row in rows]
 
 
+def contexts_arg(text: str) -> list[int]:
+    """argparse type of ``--contexts``: comma-separated token counts, ``1k`` = 1024 as the sweep's
+    ctx names. Raises argparse.ArgumentTypeError (one usage line) for anything else or below 1."""
+    out = []
+    for part in text.split(","):
+        s = part.strip().lower()
+        try:
+            n = int(s[:-1]) * 1024 if s.endswith("k") else int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a token count (1024 or 1k)") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: a context holds at least 1 token")
+        out.append(n)
+    return out
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count that must be >= 1 (``--steps``)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is below 1")
+    return n
+
+
 def refuse_names(p: argparse.ArgumentParser, option: str, names: str, known) -> None:
     """Exit with one usage line (code 2) for a name of the comma-separated ``names`` (the value of
     ``option``) not in ``known``."""
@@ -164,8 +191,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="qwen3-0.6b-random,qwen3-4b-random,qwen3-8b-random")
     p.add_argument("--backends", default="triton,cutile")
     p.add_argument("--quants", default="bf16,int8_both", help=f"of {', '.join(NAMED)}")
-    p.add_argument("--contexts", default="1024,8192,32768")
-    p.add_argument("--steps", type=int, default=64, help="timed decode steps per row")
+    p.add_argument("--contexts", type=contexts_arg, default="1024,8192,32768", help="token counts (1024 or 1k)")
+    p.add_argument("--steps", type=positive_int, default=64, help="timed decode steps per row")
     p.add_argument("--out", default="runs/bench", help="folder for decode.md and decode.parquet")
     a = p.parse_args(argv)
     refuse_unknown(p, a.quants, NAMED, a.models)
@@ -184,7 +211,7 @@ def main(argv=None) -> int:
             name,
             a.backends.split(","),
             a.quants.split(","),
-            [int(c) for c in a.contexts.split(",")],
+            a.contexts,
             a.steps,
             ceil["copy_GBps"],
         )

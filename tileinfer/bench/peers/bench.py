@@ -39,7 +39,14 @@ import time
 import torch
 
 from quantize import apply, named_scheme
-from tileinfer.bench.decode import bytes_per_step, refuse_names, refuse_unknown, time_steps
+from tileinfer.bench.decode import (
+    bytes_per_step,
+    contexts_arg,
+    positive_int,
+    refuse_names,
+    refuse_unknown,
+    time_steps,
+)
 from tileinfer.bench.ops import measure_ceilings, save
 from tileinfer.bench.peers import gptfast, hf
 from tileinfer.core.checkpoint.random_init import random_state_dict
@@ -118,7 +125,7 @@ def peer_rows(name: str, sd: dict, weights: dict, quant: str, tokens: torch.Tens
     peers of ``quant`` asked for in ``a.peers``; a peer's exception becomes its row's error. ``sd``:
     the BF16 weights; ``weights``: those of ``quant``; ``tokens``: the token stream on the GPU."""
     hf_config, config = model_entry(name)["config"], model_config(name)
-    contexts, steps, warm = [int(c) for c in a.contexts.split(",")], a.steps, a.warmup
+    contexts, steps, warm = a.contexts, a.steps, a.warmup
     for peer in (p for p in QUANTS[quant] if p in a.peers.split(",")):
         if peer == "torchao" and torchao_skip:
             for ctx in contexts:
@@ -177,7 +184,7 @@ def bench_model(name: str, a, copy_GBps: float, torchao_skip: str | None, rows: 
     """Append the rows of one model to ``rows``, calling ``commit()`` after each."""
     config = model_config(name)
     sd = random_state_dict(model_entry(name)["config"], seed=0, device="cuda")
-    contexts = [int(c) for c in a.contexts.split(",")]
+    contexts = a.contexts
     g = torch.Generator().manual_seed(0)  # bench.decode's token stream
     tokens = torch.randint(0, config.vocab_size, (max(contexts) + a.steps + a.warmup + 2,), generator=g)
     for quant in a.quants.split(","):
@@ -222,12 +229,14 @@ def bench_model(name: str, a, copy_GBps: float, torchao_skip: str | None, rows: 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tileinfer.bench.peers", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-4b-random,qwen3-8b-random")
-    p.add_argument("--contexts", default="1024,32768")
+    p.add_argument("--contexts", type=contexts_arg, default="1024,32768", help="token counts (1024 or 1k)")
     p.add_argument("--quants", default="bf16,int8_weights", help=f"of {', '.join(QUANTS)}")
     p.add_argument("--backends", default="triton", help="this engine's backends")
     p.add_argument("--peers", default=",".join(PEERS), help=f"of {', '.join(PEERS)}")
-    p.add_argument("--steps", type=int, default=64, help="timed decode steps per row")
-    p.add_argument("--warmup", type=int, default=8, help="untimed decode steps of a peer (compilation, graphs)")
+    p.add_argument("--steps", type=positive_int, default=64, help="timed decode steps per row")
+    p.add_argument(
+        "--warmup", type=positive_int, default=8, help="untimed decode steps of a peer (compilation, graphs)"
+    )
     p.add_argument("--torchao-wheel", help="a torchao wheel to install (pip --no-deps) when torchao is missing")
     p.add_argument("--out", default="runs/bench", help="folder for peers.md and peers.parquet")
     a = p.parse_args(argv)

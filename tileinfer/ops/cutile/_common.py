@@ -4,7 +4,8 @@ Every op wrapper builds its kernel arguments from tensor *shapes* only and hands
 :func:`launch`. Two consequences the backend relies on:
 
 - A step can be captured in a CUDA graph: no host sync, no data-dependent host branching, and the
-  only allocations are the outputs (workspaces are cached per shape, see :func:`workspace`).
+  only allocations are the outputs (workspaces are cached per shape, see :func:`workspace`) and,
+  in prefill (never captured), the widened copy of an INT8 weight (gemm.INT8_WIDEN_ROWS).
 - The same wrappers run on ``meta`` tensors under :func:`recording`: nothing is launched, the
   launches are collected instead. The ahead-of-time compile (``python -m tileinfer.bench.aot
   --backend cutile``) uses that to list, without a GPU, exactly the kernel variants a model needs,

@@ -50,10 +50,12 @@ FMA_TK = 512  # weights of a row per FMA GEMV tile
 FMA_MIN_K = 4096  # shortest reduction that takes the FMA GEMV (a block's x load and reduction amortized)
 # From this many rows on, a prefill GEMM first widens its INT8 weight to an exact copy in x's dtype
 # (one pass, widen_kernel) and runs the tiled GEMM on it, the scales still in the epilogue: converting
-# in the GEMM's k-loop repeats the conversion in every row block (0.30-0.60x the BF16 GEMM at 1k
-# rows). The Triton backend's INT8_DEQUANT_ROWS rule; below it the one row block converts once.
+# in the GEMM's k-loop repeats the conversion in every 128-row block. The copy is made per call and
+# freed after it (nothing cached: the point of INT8 weights is their memory), so a prefill chunk of
+# 512 rows widens every weight it multiplies, and the peak memory of a chunk grows by one copy of the
+# largest weight (the lm_head when every row is scored). The Triton backend's INT8_DEQUANT_ROWS rule.
 INT8_WIDEN_ROWS = 512
-WIDEN_TILE = (64, 256)  # int8 rows x columns per widening block (16 KB in, 32 KB out)
+WIDEN_TILE = (64, 256)  # int8 rows x columns per widening block
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -593,7 +595,8 @@ def _run_fma(x: torch.Tensor, wq: torch.Tensor, b, has_bias: bool, out: torch.Te
 
 def _widen(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An int8 weight [N, K] (any strides) as a new [N, K] tensor of ``dtype`` holding the same
-    integers, one pass (:func:`widen_kernel`); 3 bytes of traffic a weight."""
+    integers, one pass (:func:`widen_kernel`): 1 byte read and 2 (bf16/fp16) or 4 (float32) written
+    a weight."""
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     tr, tc = WIDEN_TILE
     launch(widen_kernel, (cdiv(q.shape[0], tr), cdiv(q.shape[1], tc), 1), (q, out, tr, tc))
