@@ -63,7 +63,6 @@ def main() -> None:
         print("no CUDA device: the prefill benchmark needs a GPU", file=sys.stderr)
         raise SystemExit(2)
     variants = [("shipped", [])] + a.variant
-    chunks = a.chunks
     tokens = torch.randint(0, 1000, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     header = f"Device {torch.cuda.get_device_name()}.\n\n"
     rows = []
@@ -78,7 +77,7 @@ def main() -> None:
                 shipped = {}
                 for variant, sets in variants:
                     base = None
-                    for chunk in chunks:
+                    for chunk in a.chunks:
                         runner = ModelRunner(
                             model,
                             backend,

@@ -92,6 +92,19 @@ def get_backend(name: str):
     return module
 
 
+_SMS: dict = {}
+
+
+def sm_count(device: torch.device, default: int) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (read once per device), else ``default``: what a
+    backend's grid rules assume where no GPU is at hand (meta tensors of the ahead-of-time compiles)."""
+    if device.type != "cuda":
+        return default
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
 _FALLBACKS: set[str] = set()  # "backend.op: reason" of every fallback since reset_fallbacks()
 
 

@@ -28,9 +28,8 @@ ZERO = ct.PaddingMode.ZERO
 NEG_INF = ct.PaddingMode.NEG_INF
 
 # The H200's SM count: what the grid rules aim at where no device is at hand (meta tensors of the
-# ahead-of-time compile); a launch on a GPU reads that GPU's count (sm_count).
+# ahead-of-time compile); a launch on a GPU reads that GPU's count (tileinfer.ops.sm_count).
 NUM_SMS = 132
-_sms: dict = {}
 
 # Programmatic dependent launch (Hopper): each kernel is launched with the PDL attribute, lets its
 # successor launch as soon as all its blocks have started (``pdl_prologue``), and waits for its
@@ -65,15 +64,6 @@ def pdl_prologue():
     unconditional so completion is transitive: kernel n+2 waiting on n+1 implies n is done."""
     ct.grid_dependency_control_launch_dependents()
     ct.grid_dependency_control_wait()
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (cached), or NUM_SMS for a non-CUDA (meta) device."""
-    if device.type != "cuda":
-        return NUM_SMS
-    if device not in _sms:
-        _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _sms[device]
 
 
 @contextlib.contextmanager

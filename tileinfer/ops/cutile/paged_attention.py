@@ -28,7 +28,7 @@ import cuda.tile as ct
 import torch
 
 from tileinfer.core.kv_cache import KVLayer
-from tileinfer.ops import fallback
+from tileinfer.ops import fallback, sm_count
 from tileinfer.ops import reference as ref
 from tileinfer.ops.cutile._common import (
     LOG2E,
@@ -42,7 +42,6 @@ from tileinfer.ops.cutile._common import (
     launch,
     next_pow2,
     pdl_prologue,
-    sm_count,
     workspace,
 )
 
@@ -376,7 +375,7 @@ def attention(
     scale2 = float(sm_scale) * LOG2E
     if T <= DECODE_ROWS:
         tp, gp = decode_rows(T, H // KVH)
-        S = decode_splits(KVH, block_table.shape[0], sm_count(q.device))
+        S = decode_splits(KVH, block_table.shape[0], sm_count(q.device, NUM_SMS))
         o_part = workspace("attn_o", (S, T, H, D), torch.float32, q.device)
         m_part = workspace("attn_m", (S, T, H), torch.float32, q.device)
         l_part = workspace("attn_l", (S, T, H), torch.float32, q.device)

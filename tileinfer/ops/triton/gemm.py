@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tileinfer.ops import Int8Weight, fallback
+from tileinfer.ops import Int8Weight, fallback, sm_count
 from tileinfer.ops import reference as ref
 from tileinfer.ops.triton._common import (
     INTERPRET,
@@ -727,7 +727,6 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
-_SMS: dict = {}
 _STREAMK_WS: dict = {}
 
 
@@ -771,11 +770,7 @@ def _streamk_workspace(device, programs: int, tile: int) -> tuple[torch.Tensor, 
 def _num_sms(device) -> int:
     if device.type == "cpu":
         return 4  # the interpreter: a few persistent programs exercise the tile loop
-    if device.type != "cuda":
-        return NUM_SMS  # meta tensors (ahead-of-time compiles): the H200's count
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
+    return sm_count(device, NUM_SMS)  # meta tensors (ahead-of-time compiles): the H200's count
 
 
 def _reference(op: str, reason: str, x: torch.Tensor, w, bias) -> torch.Tensor:
