@@ -4,7 +4,8 @@
 
 Rows are matched on (model, quant, smooth_keys, ctx, prompt_set, backend); every column both have,
 except timings and provenance, must be equal bit for bit, and so must the per-position tables.
-Old column names are read under today's (tileinfer.jobs.tables.upgrade). Exit 1 when anything differs.
+Rows are read by the one reader of result rows (tileinfer.jobs.rows.read, old column names under
+today's). Exit 1 when anything differs.
 """
 
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import polars as pl
 
-from tileinfer.jobs import tables
+from tileinfer.jobs import rows as result_rows
 
 KEY = ["model", "quant", "smooth_keys", "ctx", "prompt_set", "backend"]
 NOT_COMPARED = {
@@ -33,8 +34,7 @@ NOT_COMPARED = {
 
 
 def rows(runs: str) -> pl.DataFrame:
-    files = [p for p in Path(runs).rglob("rows/**/*.parquet") if not p.name.endswith(".positions.parquet")]
-    return pl.concat(tables.read_row_files(files), how="diagonal_relaxed").sort(KEY)
+    return result_rows.read(Path(runs) / "rows").sort(KEY)
 
 
 def main(before: str, after: str) -> int:
@@ -52,9 +52,7 @@ def main(before: str, after: str) -> int:
         f"only before: {sorted(set(a.columns) - set(b.columns))}; only after: {sorted(set(b.columns) - set(a.columns))}"
     )
     same_positions = all(
-        pl.read_parquet(fa.replace(".parquet", ".positions.parquet")).equals(
-            pl.read_parquet(fb.replace(".parquet", ".positions.parquet"))
-        )
+        pl.read_parquet(result_rows.positions_path(fa)).equals(pl.read_parquet(result_rows.positions_path(fb)))
         for fa, fb in zip(a["row_file"], b["row_file"], strict=True)
     )
     print(f"per-position tables: {'bit-identical' if same_positions else 'DIFFER'}")

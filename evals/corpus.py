@@ -26,10 +26,14 @@ Corpora (``eval.corpora``):
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
+from evals.evaluation import Evaluation, Item, ScoredSet, bos_first, unique_names
 from evals.prompts import DATA_DIR, Tokenizer, load_dataset_prompts
 from tileinfer.core.errors import UserError
+from tileinfer.core.settings import choice, number
 
 BUILTIN = {"pydoc": "pydoc-topics.txt", "stdlib": "stdlib-code.txt"}
 HUB_PREFIX = "hf:"
@@ -140,3 +144,46 @@ def corpus_windows(
             "use a longer text or a smaller ctx"
         )
     return out, len(ids) + (bos is not None)
+
+
+@dataclass
+class CorpusSettings:
+    """``eval=corpus``: text corpora in llama.cpp's windows."""
+
+    name: str = choice("corpus", "corpus")
+    # built-in corpora (pydoc, stdlib), local text/json/jsonl/parquet/csv files, or hf:REPO[:CONFIG[:SPLIT]]
+    corpora: list[str] = field(default_factory=lambda: ["pydoc", "stdlib"])
+    n_windows: int = number(10, 1)  # at most this many ctx-token windows per corpus (the first ones)
+    text_column: str = "text"  # the column of a corpus's records that holds the text
+    add_bos: Optional[bool] = None  # BOS first in every window; null: the tokenizer's add_bos_token
+
+    def __post_init__(self):
+        if not self.corpora:
+            raise UserError("eval.corpora must be a non-empty list, e.g. eval.corpora=[pydoc,stdlib]")
+
+
+class CorpusDrift(Evaluation):
+    """Corpus drift: a window's first half is its prompt, its second half the scored tokens; decode
+    steps are timed after the first window of each corpus only."""
+
+    name = "corpus"
+    Settings = CorpusSettings
+    IDENTITY = ("corpus", "n_windows", "add_bos")
+
+    def positions(self, ctx_tokens: int, decode_tokens: int) -> tuple[int, int]:
+        if ctx_tokens < 2:
+            raise UserError(f"ctx.tokens={ctx_tokens}: a corpus window needs at least 2 tokens")
+        return 0, max(ctx_tokens, prompt_len(ctx_tokens) + decode_tokens)
+
+    def scored_sets(self, tokenizer: Tokenizer, ctx_tokens: int) -> list[ScoredSet]:
+        s = self.settings
+        unique_names([(corpus_name(c), f"corpus {c}") for c in s.corpora])
+        add_bos = bos_first(s.add_bos, tokenizer)
+        bos = tokenizer.bos_token_id if add_bos else None
+        out, n = [], prompt_len(ctx_tokens)
+        for entry in s.corpora:
+            wins, tokens = corpus_windows(tokenizer, entry, ctx_tokens, bos, s.n_windows, s.text_column)
+            items = tuple(Item(tuple(w[:n]), tuple(w[n:]), len(w) - n) for w in wins)
+            identity = {"corpus": entry, "n_windows": len(wins), "add_bos": add_bos}
+            out.append(ScoredSet(corpus_name(entry), items, "window", identity, 1, "window", {"corpus_tokens": tokens}))
+        return out

@@ -12,8 +12,9 @@ from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.engine.runner import ModelRunner
-from tileinfer.jobs import drift
 from tileinfer.models import Transformer
+
+from tests.passes import drift, full_logits
 
 pytest.importorskip("triton")
 GATE = OmegaConf.load("conf/gate.yaml").gate
@@ -42,9 +43,9 @@ def test_triton_model_passes_the_gate_against_the_reference_backend(dtype, quant
     sd = apply(ck, None, QuantScheme("int8", "int8", smooth_keys=False))[0] if int8 else ck.state_dict
     model = Transformer.from_state_dict(ck.config, sd, dtype=dtype)
     g = torch.Generator().manual_seed(0)
-    stream = drift.Stream(tuple(torch.randint(0, TINY["vocab_size"], (96,), generator=g).tolist()), 64)
+    tokens = torch.randint(0, TINY["vocab_size"], (96,), generator=g).tolist()
     kw = dict(kv_int8=int8, max_seq_len=128, page_size=16, prefill_chunk=48)  # chunks across pages
-    ref = drift.full_logits(ModelRunner(model, "reference", **kw), stream)
-    stats, _ = drift.score(ModelRunner(model, "triton", **kw), ref, decode_steps=2)
+    ref = full_logits(ModelRunner(model, "reference", **kw), tokens, 64)
+    stats, _ = drift(ModelRunner(model, "triton", **kw), ref, decode_steps=2)
     row = dict(stats, prompt_set="random", dtype=str(dtype).removeprefix("torch."), kv_cache="int8" if int8 else "bf16")
     assert [v for v in gate.kernel_checks(row, GATE) if v["verdict"] == gate.FAIL] == [], stats

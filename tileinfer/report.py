@@ -3,33 +3,32 @@
     python -m tileinfer.report runs/                  # writes runs/report/
     python -m tileinfer.report runs/ --out /tmp/rep
 
-Reads the sweep's result rows of RUNS_DIR (the Parquet rows of ``python -m tileinfer.sweep`` under
-``RUNS_DIR/rows/``, not the gate's runs; one per row identity, the newest:
-:func:`tileinfer.jobs.tables.sweep_rows`) and writes into the output folder:
+Reads the sweep's result rows of RUNS_DIR (``RUNS_DIR/rows/``, not the gate's runs; one per row
+identity, the newest: :func:`tileinfer.summary.sweep_rows`) and writes into the output folder:
 
 - ``summary.parquet`` / ``summary.md``: all rows as one table (:func:`tileinfer.jobs.tables.write_summary`);
-- ``scatter-*.png``: mean KL (log scale) against decode speed, one plot per (model, ctx, backend);
-- ``kl_by_position-*.png``: KL along the scored window, one plot per (model, ctx, backend, prompt set);
-- ``report.md``: one section per (model, ctx, backend) with one table per prompt set (prompt sets
-  are never averaged together), the drift columns under llama.cpp's ``--kl-divergence`` names and
-  prefill/decode speed as a ratio to the BF16 row; the plots are linked from it. Rows whose scored
-  window is degenerate (the reply mostly repeats itself, so KL is understated) are named in a warning
-  and marked in a column; rows written before repetition was measured show ``?`` there.
-  Rows with speculative decoding (``spec`` other than ``none``) score the same drift as plain ones:
-  these tables show each configuration's plain row (``spec=none``; a speculative row where there is none);
-- a "Speculative decoding" part in each section that has speculative rows: one table per prompt set with
-  one line per (config, proposer and its settings) beside the plain rows, the first step where a greedy
-  speculative reply left the plain one and the target's logit margin there, and two plots:
-  ``spec_speedup-*.png`` (speed-up against mean acceptance length) and ``spec_acceptance-*.png``
-  (acceptance rate along the draft).
+- ``scatter-*.png``: mean KL (log scale) against decode speed, one plot per section;
+- ``kl_by_position-*.png``: KL along the scored window, one plot per section and scored set;
+- ``report.md``: one section per (model, ctx, backend) and setup (rows that differ in another
+  identity column are not comparable: the columns that vary name the section), with one table per
+  scored set (never averaged together): the drift columns under llama.cpp's ``--kl-divergence``
+  names with their 95% intervals, llama.cpp's ± 1σ figures, and prefill/decode speed as a ratio to
+  the BF16 row. Rows whose scored window is degenerate (the reply mostly repeats itself, so KL is
+  understated) are named in a warning and marked in a column. Speculative rows score the same drift
+  as plain ones: the drift tables show each configuration's plain row (``spec=none``; a speculative
+  row where there is none), and a "Speculative decoding" part gives one line per proposer setting
+  with two plots (``spec_speedup-*.png``, ``spec_acceptance-*.png``). Configurations that scored the
+  same positions and differ in one setting (key smoothing, backend) get paired differences.
 
-Every file is written to a temporary name first and then renamed, and ``report.md`` comes last, so
-an interrupted report never leaves a half-written file under a final name.
+Plot files are named by model, ctx, backend and a short hash of the rest of the section's setup.
+Every file is written atomically and ``report.md`` last, so an interrupted report never leaves a
+half-written file under a final name.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import re
 from datetime import datetime, timezone
@@ -44,17 +43,20 @@ import polars as pl  # noqa: E402
 
 from evals.intervals import paired_difference  # noqa: E402
 from evals.metrics import DEGENERATE_REPEAT, LLAMA_CPP_LABELS  # noqa: E402
+from evals.verdicts import SPEC_TIE_MARGIN, tie_margin  # noqa: E402
+from quantize import NAMED  # noqa: E402
+from tileinfer.cli import exit_on_error  # noqa: E402
 from tileinfer.core import files  # noqa: E402
-from tileinfer.core.errors import UserError, exit_on_user_error  # noqa: E402
+from tileinfer.core.errors import UserError  # noqa: E402
 from tileinfer.jobs import identity, schema, tables  # noqa: E402
+from tileinfer.jobs.rows import positions_path  # noqa: E402
+from tileinfer.summary import sweep_rows  # noqa: E402
 
 GROUP = ["model", "ctx", "backend"]  # one report section each...
-CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # ...with one table row each (per prompt set)...
+CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # ...with one table row each (per scored set)...
 # ...and, in the speculative decoding tables, one line per proposer and its settings beside it...
 SPEC = {"spec": pl.String, "spec_k": pl.Int64, "spec_settings": pl.String, "spec_temperature": pl.Float64}
-# ...and one section per setup: rows that differ in any other identity column (tileinfer.jobs.identity:
-# scoring window, base, runner settings, timing, machine) are not comparable; the columns that vary
-# are named in the section title. Left out: columns the ones above determine.
+# ...and one section per setup: the other identity columns, but those the ones above determine.
 DETERMINED = (
     "prompt_set",
     "prompts_sha256",
@@ -67,39 +69,31 @@ DETERMINED = (
     "ctx_tokens",
 )
 SETUP = [c for c in identity.IDENTITY if c not in (*GROUP, *CONFIG, *SPEC, *DETERMINED)]
-QUANT_ORDER = ["bf16", "int8_weights", "int8_kv", "int8_both"]
-SPEC_ORDER = ["none", "ngram", "draft", "dflash"]
 DFLASH_NOTE = (
     "Acceptance figures of `dflash` rows need a real drafter checkpoint; random drafter weights give "
     "near-zero acceptance."
 )
-REPETITION = {"reply_repeat_frac", "degenerate"}  # row columns of the scored reply's repetition
 
 
 def _label(key: str) -> str:
     return " ".join(LLAMA_CPP_LABELS[key].split())  # "Mean    KLD" -> "Mean KLD"
 
 
-# (column, header, formatter) of the drift part of each table, in llama.cpp's names.
+# (column, header, format, scale) of the drift part of each table, in llama.cpp's names.
 DRIFT_COLUMNS = [
-    ("kl_mean", _label("kl_mean"), "{:.4g}"),
-    ("kl_median", _label("kl_median"), "{:.4g}"),
-    ("kl_p99", _label("kl_p99"), "{:.4g}"),
-    ("kl_p999", _label("kl_p999"), "{:.4g}"),
-    ("kl_max", _label("kl_max"), "{:.4g}"),
+    *((c, _label(c), "{:.4g}", 1) for c in ("kl_mean", "kl_median", "kl_p99", "kl_p999", "kl_max")),
     ("rms_dp", _label("rms_dp") + " (%)", "{:.3f}", 100),
     ("top1_agree", _label("top1_agree") + " (%)", "{:.2f}", 100),
-    ("ppl_base", _label("ppl_base"), "{:.4f}"),
-    ("ppl_cand", _label("ppl_cand"), "{:.4f}"),
-    ("ln_ppl_ratio", _label("ln_ppl_ratio"), "{:.4g}"),
+    ("ppl_base", _label("ppl_base"), "{:.4f}", 1),
+    ("ppl_cand", _label("ppl_cand"), "{:.4f}", 1),
+    ("ln_ppl_ratio", _label("ln_ppl_ratio"), "{:.4g}", 1),
 ]
-# llama.cpp's "± 1 sigma" figures (evals.intervals.llama_sigma), shown in a table of their own.
-SIGMA_COLUMNS = [
-    ("kl_mean", _label("kl_mean"), "{:.4g}"),
-    ("top1_agree", _label("top1_agree") + " (%)", "{:.2f}", 100),
-    ("ppl_base", _label("ppl_base"), "{:.4f}"),
-    ("ppl_cand", _label("ppl_cand"), "{:.4f}"),
-    ("ln_ppl_ratio", _label("ln_ppl_ratio"), "{:.4g}"),
+# llama.cpp's "± 1 sigma" figures (evals.intervals.llama_sigma), in a table of their own.
+SIGMA_COLUMNS = [c for c in DRIFT_COLUMNS if c[0] in ("kl_mean", "top1_agree", "ppl_base", "ppl_cand", "ln_ppl_ratio")]
+SPEC_COLUMNS = [
+    ("spec_acceptance_rate", "Acceptance rate (%)", "{:.1f}", 100),
+    ("spec_acceptance_length", "Mean acceptance length", "{:.2f}", 1),
+    ("spec_tokens_per_forward", "Tokens per target forward", "{:.2f}", 1),
 ]
 # Configurations compared position by position where they scored the same positions: the one column
 # in which two rows differ -> what the difference measures.
@@ -107,66 +101,49 @@ PAIRED = {"smooth_keys": "key smoothing", "backend": "backend"}
 
 
 def load_rows(runs_dir: Path) -> tuple[pl.DataFrame, Path, int]:
-    """The sweep rows of ``runs_dir`` (:func:`tables.sweep_rows`: under ``runs_dir/rows``, once per row
-    identity), with the row's file in an extra column ``row_file`` so its positions file can be
-    found; the folder read; how many duplicate rows were dropped. Parquet files that are not sweep
-    rows (no model, quant, ctx, backend, prompt set or mean KL) are left out.
+    """The sweep rows of ``runs_dir`` (:func:`tileinfer.summary.sweep_rows`), sorted for display (plain
+    before speculative rows) and labelled (``config``), the folder read, and how many older rows of
+    an identity were left out. Parquet files that are not sweep rows are left out.
 
     Raises:
         UserError: ``runs_dir`` is not a folder or holds no result rows.
     """
-    runs_dir = Path(runs_dir)
-    if not runs_dir.is_dir():
-        raise UserError(f"{runs_dir} is not a folder")
-    df, rows_dir, duplicates = tables.sweep_rows(runs_dir)
+    df, folder, older = sweep_rows(runs_dir)
     needed = [*GROUP, "quant", "prompt_set", "kl_mean"]
     if set(needed) <= set(df.columns):
         df = df.filter(pl.all_horizontal(pl.col(needed).is_not_null()))
     if df.is_empty() or not {*needed, *CONFIG} <= set(df.columns):
-        raise UserError(f"no result rows under {rows_dir} (run python -m tileinfer.sweep first)")
+        raise UserError(f"no result rows under {folder} (run python -m tileinfer.sweep first)")
     # rows written before these columns existed (before speculative decoding: spec=none)
     df = df.with_columns([pl.lit(None, pl.String).alias(c) for c in (*SETUP, "corpus") if c not in df.columns])
     df = df.with_columns(pl.col(c).cast(t) if c in df.columns else pl.lit(None, t).alias(c) for c, t in SPEC.items())
-    df = df.with_columns(pl.col("spec").fill_null("none"))
-    return df, rows_dir, duplicates
+    df = df.with_columns(pl.col("spec").fill_null("none"), pl.col("smooth_keys").fill_null(False))
 
+    def order(col: str, values: list) -> pl.Expr:
+        return pl.col(col).replace_strict(values, list(range(len(values))), default=len(values))
 
-def latest_rows(df: pl.DataFrame) -> tuple[pl.DataFrame, int]:
-    """The newest row of each (group, config, speculation, prompt set), sorted for display (plain
-    before speculative rows) and labelled in a column ``config`` (:func:`config_label`), and how many
-    older rows of the same key were dropped (e.g. an earlier run with another n_score)."""
-    key = [*GROUP, *SETUP, *CONFIG, *SPEC, "prompt_set", "corpus"]  # two corpus files may share a name
-    df = df.with_columns(pl.col("smooth_keys").fill_null(False))
-    if "finished_at" in df.columns:
-        df = df.sort("finished_at", nulls_last=False)
-    newest = df.unique(subset=key, keep="last", maintain_order=True)
-    order = pl.col("quant").replace_strict(QUANT_ORDER, list(range(len(QUANT_ORDER))), default=len(QUANT_ORDER))
-    ctx_size = [pl.col("ctx_tokens").min().over("model", "ctx")] if "ctx_tokens" in df.columns else []
-    newest = newest.sort(
-        [
-            "model",
-            *ctx_size,
-            "ctx",
-            "backend",
-            "prompt_set",
-            order,
-            "quant",
-            pl.col("smooth_keys").not_(),
-            "smooth_alpha",
-            pl.col("spec").replace_strict(SPEC_ORDER, list(range(len(SPEC_ORDER))), default=len(SPEC_ORDER)),
-            *SPEC,
-        ]
+    df = df.sort(
+        "model",
+        *([pl.col("ctx_tokens").min().over("model", "ctx")] if "ctx_tokens" in df.columns else []),
+        "ctx",
+        "backend",
+        "prompt_set",
+        order("quant", list(NAMED)),
+        "quant",
+        pl.col("smooth_keys").not_(),
+        "smooth_alpha",
+        order("spec", list(schema.PROPOSERS)),
+        *SPEC,
     )
-    # Name α only when smoothed rows with several α are present.
-    show_alpha = newest.filter(pl.col("smooth_keys"))["smooth_alpha"].n_unique() > 1
-    labels = [config_label(q, s, a, show_alpha) for q, s, a in newest.select(CONFIG).iter_rows()]
-    return newest.with_columns(config=pl.Series(labels, dtype=pl.String)), len(df) - len(newest)
+    show_alpha = df.filter(pl.col("smooth_keys"))["smooth_alpha"].n_unique() > 1  # only when several
+    labels = [config_label(q, s, a, show_alpha) for q, s, a in df.select(CONFIG).iter_rows()]
+    return df.with_columns(config=pl.Series(labels, dtype=pl.String)), folder, older
 
 
 def plain_rows(rows: pl.DataFrame) -> pl.DataFrame:
-    """One row per (group, config, prompt set) of :func:`latest_rows`, for the drift tables and plots:
-    the plain one (``spec=none``), or the first speculative one where there is no plain row (drift is
-    scored alike: the proposer only runs after the scored window)."""
+    """One row per configuration and scored set, for the drift tables and plots: the plain one
+    (``spec=none``), or the first speculative one where there is none (drift is scored alike: the
+    proposer only runs after the scored window)."""
     return rows.unique(subset=[*GROUP, *SETUP, *CONFIG, "prompt_set", "corpus"], keep="first", maintain_order=True)
 
 
@@ -177,32 +154,28 @@ def config_label(quant: str, smooth_keys: bool, alpha, show_alpha: bool = False)
     return f"{quant} (smoothed keys, α={alpha:g})" if show_alpha and alpha is not None else f"{quant} (smoothed keys)"
 
 
+def _finite(value) -> bool:
+    return value is not None and bool(np.isfinite(value))
+
+
+def _fmt(value, pattern: str, scale: float = 1) -> str:
+    return pattern.format(value * scale) if _finite(value) else "–"
+
+
 def _values(df: pl.DataFrame, column: str) -> str:
-    """The distinct values of ``column`` as text ("?" when the column is absent)."""
-    return ", ".join(map(str, df[column].unique(maintain_order=True))) if column in df.columns else "?"
+    """The distinct values of ``column`` as text."""
+    return ", ".join(map(str, df[column].unique(maintain_order=True)))
 
 
 def _or_unknown(value) -> str:
     return "?" if value is None else str(value)  # rows written before the column existed
 
 
-def _slug(*parts) -> str:
-    return "-".join(re.sub(r"[^A-Za-z0-9._]+", "_", str(p)) for p in parts)
-
-
-def _fmt(value, pattern: str, scale: float = 1) -> str:
-    if value is None or (isinstance(value, float) and np.isnan(value)):
-        return "–"
-    return pattern.format(value * scale)
-
-
 def _with_interval(r: dict, column: str, pattern: str, scale: float = 1) -> str:
     """``value [lo, hi]`` where the row has the 95% interval of ``column``, else the value alone."""
-    text = _fmt(r.get(column), pattern, scale)
     lo, hi = r.get(f"{column}_lo"), r.get(f"{column}_hi")
-    if not (_finite(lo) and _finite(hi)):
-        return text
-    return f"{text} [{_fmt(lo, pattern, scale)}, {_fmt(hi, pattern, scale)}]"
+    text = _fmt(r.get(column), pattern, scale)
+    return f"{text} [{_fmt(lo, pattern, scale)}, {_fmt(hi, pattern, scale)}]" if _finite(lo) and _finite(hi) else text
 
 
 def _with_sigma(r: dict, column: str, pattern: str, scale: float = 1) -> str:
@@ -212,9 +185,8 @@ def _with_sigma(r: dict, column: str, pattern: str, scale: float = 1) -> str:
 
 
 def _speed(value, ref) -> str:
-    """``1,234 (1.76×)`` (three significant digits below 100 tok/s); without a BF16 base
-    just ``1,234``."""
-    if value is None:
+    """``1,234 (1.76×)`` (three significant digits below 100 tok/s); without a BF16 base just ``1,234``."""
+    if not _finite(value):
         return "–"
     text = f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
     return f"{text} ({value / ref:.2f}×)" if ref else text
@@ -228,53 +200,47 @@ def _repetition(r: dict) -> str:
     return f"**{frac}, degenerate**" if r["degenerate"] else frac
 
 
-def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
-    """A Markdown table with one row per configuration of one prompt set (BF16 first) and the
-    notes it needs (missing BF16 base, KL estimated rather than exact)."""
-    notes = []
+def md_table(head: list[str], cells: list[list[str]]) -> str:
+    return "\n".join(
+        ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(c) + " |" for c in cells]
+    )
+
+
+def drift_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
+    """A Markdown table with one row per configuration of one scored set (BF16 first) and the notes it
+    needs (missing BF16 base, KL estimated rather than exact, the intervals' method)."""
     bf16 = rows.filter(pl.col("quant") == "bf16")
     ref = bf16.row(0, named=True) if len(bf16) else {}
-    if not ref:
-        notes.append("no BF16 row here, so speeds are shown without ratios.")
+    notes = [] if ref else ["no BF16 row here, so speeds are shown without ratios."]
     est = "kl_estimate" in rows.columns and rows["kl_estimate"].drop_nulls().ne("exact").any()
-    rep = bool(REPETITION & set(rows.columns))
-    head = (
-        ["Config"]
-        + [h for _, h, *_ in DRIFT_COLUMNS]
-        + ["Greedy agree len (tokens)", "Prefill tok/s", "Decode tok/s"]
-        + (["KL estimate"] if est else [])
-        + (["Reply repetition"] if rep else [])
-    )
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rep = "degenerate" in rows.columns or "reply_repeat_frac" in rows.columns
+    head = ["Config", *(h for _, h, *_ in DRIFT_COLUMNS), "Greedy agree len (tokens)", "Prefill tok/s", "Decode tok/s"]
+    head += (["KL estimate"] if est else []) + (["Reply repetition"] if rep else [])
+    cells = []
     for r in rows.iter_rows(named=True):
-        per_prompt = r["n_scored"] / max(r.get("n_prompts") or 1, 1) if r.get("n_scored") else None
-        greedy = _fmt(r.get("greedy_agree_len"), "{:.4g}") + (f" of {per_prompt:.0f}" if per_prompt else "")
-        cells = (
-            [r["config"]]
-            + [_with_interval(r, c, f, *s) for c, _, f, *s in DRIFT_COLUMNS]
-            + [
-                greedy,
-                _speed(r.get("prefill_tok_s"), ref.get("prefill_tok_s")),
-                _speed(r.get("decode_tok_s"), ref.get("decode_tok_s")),
-            ]
+        per_item = r["n_scored"] / max(r.get("n_prompts") or 1, 1) if r.get("n_scored") else None
+        greedy = _fmt(r.get("greedy_agree_len"), "{:.4g}") + (f" of {per_item:.0f}" if per_item else "")
+        cells.append(
+            [r["config"], *(_with_interval(r, c, f, s) for c, _, f, s in DRIFT_COLUMNS), greedy]
+            + [_speed(r.get(c), ref.get(c)) for c in ("prefill_tok_s", "decode_tok_s")]
             + ([r.get("kl_estimate") or "–"] if est else [])
             + ([_repetition(r)] if rep else [])
         )
-        lines.append("| " + " | ".join(cells) + " |")
-    if "spec" in rows.columns:
-        speculative = rows.filter(pl.col("spec") != "none").select("config", "spec").iter_rows()
-        if borrowed := [f"{c} (spec={s})" for c, s in speculative]:
-            notes.append(
-                f"no plain (spec=none) row of {', '.join(borrowed)}: its drift and decode speed are those of its "
-                "speculative row (drift is scored alike; its plain decode was timed in that job)."
-            )
+    if borrowed := [
+        f"{c} (spec={s})" for c, s in rows.filter(pl.col("spec") != "none").select("config", "spec").rows()
+    ]:
+        notes.append(
+            f"no plain (spec=none) row of {', '.join(borrowed)}: its drift and decode speed are those of its "
+            "speculative row (drift is scored alike; its plain decode was timed in that job)."
+        )
     if "ci_unit" in rows.columns and rows["ci_unit"].is_not_null().any():
         units = ", ".join(
             f"{u} ({n})" for u, n in rows.select("ci_unit", "ci_units").unique(maintain_order=True).rows()
         )
         notes.append(
             "[lo, hi]: 95% intervals; Same top p by Wilson's score interval, the KL statistics and "
-            f"ln(PPL(Q)/PPL(base)) by the BCa bootstrap over {units} (evals/intervals.py)."
+            f"ln(PPL(Q)/PPL(base)) by the BCa bootstrap over the scored set's units ({units}: unit, and "
+            "how many resampled; a block is a run of consecutive positions, evals/intervals.py)."
         )
     if est:
         notes.append(
@@ -283,47 +249,43 @@ def markdown_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
             "a lower bound of the exact KL (measured on SmolLM2 INT8 weights: mean KL 9.6% low at K=64, "
             "4.8% at K=256; 99.9% KL 2.7% low at K=64; tests/test_base_logits.py)."
         )
-    return "\n".join(lines), notes
+    return md_table(head, cells), notes
 
 
 def sigma_table(rows: pl.DataFrame) -> str | None:
-    """llama.cpp's ``value ± 1 sigma`` figures of each configuration (positions taken as independent), or
-    None for rows without them."""
+    """llama.cpp's ``value ± 1 sigma`` figures of each configuration, or None for rows without them."""
     if "kl_mean_sigma" not in rows.columns or rows["kl_mean_sigma"].is_null().all():
         return None
-    head = ["Config"] + [f"{h} ± 1σ" for _, h, *_ in SIGMA_COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows.iter_rows(named=True):
-        lines.append(
-            "| " + " | ".join([r["config"]] + [_with_sigma(r, c, f, *s) for c, _, f, *s in SIGMA_COLUMNS]) + " |"
-        )
-    return "\n".join(lines)
+    head = ["Config", *(f"{h} ± 1σ" for _, h, *_ in SIGMA_COLUMNS)]
+    cells = [
+        [r["config"], *(_with_sigma(r, c, f, s) for c, _, f, s in SIGMA_COLUMNS)] for r in rows.iter_rows(named=True)
+    ]
+    return md_table(head, cells)
 
 
 def _positions(r: dict) -> pl.DataFrame | None:
-    """The per-position KL and window or prompt of a row (``group`` 0 throughout for files written before
-    it was saved), or None without a positions file."""
-    f = Path(r["row_file"]).with_suffix(".positions.parquet")
-    if not f.is_file():
+    """The per-position table of a row (``group`` 0 throughout for files written before it was saved),
+    or None without a readable positions file."""
+    try:
+        p = pl.read_parquet(positions_path(r["row_file"])).sort("position")
+    except Exception:  # noqa: BLE001 - missing or damaged: the plot or pair is left out, with a note
         return None
-    p = pl.read_parquet(f).sort("position")
     return p if "group" in p.columns else p.with_columns(group=pl.lit(0))
 
 
 def paired_table(rows: pl.DataFrame) -> str | None:
     """Mean KL differences, with 95% intervals (:func:`evals.intervals.paired_difference`), of rows that
-    scored the same positions (same prompt set or corpus, base, prompts, count) and differ in one column of
-    :data:`PAIRED` only: what key smoothing buys, what a backend changes. None when no such pair exists."""
+    scored the same positions and differ in one column of :data:`PAIRED` only: what key smoothing buys,
+    what a backend changes. None when no such pair exists."""
     fixed = [c for c in (*identity.CONFIG, *identity.SCORING, "n_scored") if c in rows.columns and c not in PAIRED]
-    lines = []
+    cells = []
     for column, what in PAIRED.items():
         free = (
             {column, "smooth_alpha", "calibration_tokens", "calibration_sha256"}
             if column == "smooth_keys"
             else {column}
         )
-        key = [c for c in fixed if c not in free]
-        for _, pair in rows.group_by(key, maintain_order=True):
+        for _, pair in rows.group_by([c for c in fixed if c not in free], maintain_order=True):
             if len(pair) != 2 or pair[column].n_unique() != 2:
                 continue
             a, b = pair.sort(column, descending=True).iter_rows(named=True)
@@ -332,79 +294,75 @@ def paired_table(rows: pl.DataFrame) -> str | None:
                 continue
             d, lo, hi = paired_difference(pa["kl"].to_numpy(), pb["kl"].to_numpy(), pa["group"].to_numpy())
             relative = f"{d / b['kl_mean']:+.0%}" if b["kl_mean"] else "–"
-            lines.append(
-                f"| {what} | {a['model']}, ctx {a['ctx']}, {a['prompt_set']} | {a['config']}, {a['backend']} | "
-                f"{b['config']}, {b['backend']} | {d:.4g} [{lo:.4g}, {hi:.4g}] | {relative} |"
-            )
-    if not lines:
-        return None
-    head = "| change | where | A | B | Mean KLD A − B [95%] | relative to B |\n|---|---|---|---|---|---|"
-    return head + "\n" + "\n".join(lines)
+            where = f"{a['model']}, ctx {a['ctx']}, {a['prompt_set']}"
+            ab = [f"{r['config']}, {r['backend']}" for r in (a, b)]
+            cells.append([what, where, *ab, f"{d:.4g} [{lo:.4g}, {hi:.4g}]", relative])
+    head = ["change", "where", "A", "B", "Mean KLD A − B [95%]", "relative to B"]
+    return md_table(head, cells) if cells else None
 
 
-def _save(fig, path: Path) -> None:
-    """Write ``fig`` as PNG to ``path`` atomically and close it (rendered in memory: the file is
-    written by :func:`tileinfer.core.files.write_bytes`, whose OS failures are one-line errors)."""
-    buf = io.BytesIO()
+def _plot(path: Path, title: str, xlabel: str, ylabel: str, draw, figsize=(8, 4.8)) -> None:
+    """Draw with ``draw(ax)``, label, and write the figure as PNG to ``path`` atomically (rendered in
+    memory: :func:`tileinfer.core.files.write_bytes` makes OS failures one-line errors)."""
+    fig, ax = plt.subplots(figsize=figsize)
     try:
+        draw(ax)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
+        buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
     finally:
         plt.close(fig)
     files.write_bytes(path, buf.getvalue())
 
 
-def _colors(group: pl.DataFrame) -> dict[str, tuple]:
-    """One color per configuration of a group, in table order, shared by all of its plots."""
+def _colors(keys) -> dict:
+    """One color per key (configuration, proposer), in order, shared by a section's plots."""
     cmap = plt.get_cmap("tab10")
-    return {lab: cmap(i % 10) for i, lab in enumerate(dict.fromkeys(group["config"]))}
+    return {k: cmap(i % 10) for i, k in enumerate(dict.fromkeys(keys))}
 
 
 def scatter_plot(group: pl.DataFrame, title: str, colors: dict, path: Path) -> list[str]:
-    """Write the mean-KL-against-decode-speed scatter of one group to ``path``: one marker per row
-    (color = configuration, shape = prompt set) and each BF16 row as a vertical line at its decode
-    speed (its KL is 0, which a log axis cannot show). Returns notes on rows that could not be drawn."""
-    notes, plotted = [], 0
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    markers = dict(zip(dict.fromkeys(group["prompt_set"]), "osD^vP*X"))
-    bf16 = dict(group.filter(pl.col("quant") == "bf16").select("prompt_set", "decode_tok_s").iter_rows())
-    for (ps, speed), ls in zip(bf16.items(), ["--", ":", "-.", (0, (6, 2, 1, 2))] * 4):
-        if speed:
-            ax.axvline(speed, color="0.35", ls=ls, lw=1.2, label=f"bf16 (KL = 0), prompt set {ps}")
-    for r in group.filter(pl.col("quant") != "bf16").iter_rows(named=True):
-        lab, speed, kl = r["config"], r.get("decode_tok_s"), r.get("kl_mean")
-        if speed is None:
-            notes.append(f"{lab} / {r['prompt_set']}: no decode speed, not plotted.")
-        elif kl is None or not kl > 0 or not np.isfinite(kl):
-            notes.append(f"{lab} / {r['prompt_set']}: mean KL {kl} cannot be shown on a log axis, not plotted.")
-        else:
+    """Mean KL against decode speed of one section: a marker per row (color = configuration, shape =
+    scored set) with its 95% interval, each BF16 row a vertical line at its decode speed (its KL is
+    0, which a log axis cannot show). Returns notes on rows that could not be drawn."""
+    notes, markers = [], dict(zip(dict.fromkeys(group["prompt_set"]), "osD^vP*X"))
+    quantized = group.filter(pl.col("quant") != "bf16")
+
+    def draw(ax):
+        styles = ["--", ":", "-.", (0, (6, 2, 1, 2))] * 4
+        bf16 = group.filter(pl.col("quant") == "bf16").select("prompt_set", "decode_tok_s").rows()
+        for (ps, speed), ls in zip(bf16, styles):
+            if _finite(speed):
+                ax.axvline(speed, color="0.35", ls=ls, lw=1.2, label=f"bf16 (KL = 0), {ps}")
+        plotted = 0
+        for r in quantized.iter_rows(named=True):
+            lab, speed, kl = r["config"], r.get("decode_tok_s"), r.get("kl_mean")
+            if not _finite(speed) or not _finite(kl) or kl <= 0:
+                notes.append(
+                    f"{lab} / {r['prompt_set']}: decode speed {speed}, mean KL {kl}: not plotted on a log axis."
+                )
+                continue
             plotted += 1
             lo, hi = r.get("kl_mean_lo"), r.get("kl_mean_hi")
-            if _finite(lo) and _finite(hi):  # the 95% interval of the mean KL
-                ax.errorbar(speed, kl, yerr=[[kl - lo], [hi - kl]], fmt="none", ecolor=colors[lab], capsize=3, zorder=2)
+            if _finite(lo) and _finite(hi):
+                ax.errorbar(speed, kl, yerr=[[kl - lo], [hi - kl]], fmt="none", ecolor=colors[lab], capsize=3)
             ax.scatter(
-                speed,
-                kl,
-                color=colors[lab],
-                marker=markers[r["prompt_set"]],
-                s=60,
-                edgecolors="black",
-                linewidths=0.5,
-                zorder=3,
+                speed, kl, color=colors[lab], marker=markers[r["prompt_set"]], s=60, edgecolors="black", zorder=3
             )
-    # Legend: one entry per configuration (color) and per prompt set (shape).
-    for lab in dict.fromkeys(group.filter(pl.col("quant") != "bf16")["config"]):
-        ax.scatter([], [], color=colors[lab], marker="s", label=lab)
-    for ps, m in markers.items():
-        ax.scatter([], [], color="white", edgecolors="black", marker=m, label=f"prompt set: {ps}")
-    if not plotted:  # only BF16 lines: a log axis needs positive limits to draw them
-        ax.set_ylim(1e-6, 1.0)
-    ax.set_yscale("log", nonpositive="clip")  # an interval reaching 0 is cut at the axis
-    ax.set_xlabel("decode speed (tokens/s, higher is better)")
-    ax.set_ylabel("mean KL(BF16 ‖ config) (nats, log scale; bars: 95% interval)")
-    ax.set_title(f"Accuracy vs. speed — {title}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
-    _save(fig, path)
+        for lab in dict.fromkeys(quantized["config"]):
+            ax.scatter([], [], color=colors[lab], marker="s", label=lab)
+        for ps, m in markers.items():
+            ax.scatter([], [], color="white", edgecolors="black", marker=m, label=ps)
+        if not plotted:  # only BF16 lines: a log axis needs positive limits to draw them
+            ax.set_ylim(1e-6, 1.0)
+        ax.set_yscale("log", nonpositive="clip")  # an interval reaching 0 is cut at the axis
+
+    ylabel = "mean KL(BF16 ‖ config) (nats, log scale; bars: 95% interval)"
+    _plot(path, f"Accuracy vs. speed — {title}", "decode speed (tokens/s, higher is better)", ylabel, draw)
     return notes
 
 
@@ -417,64 +375,47 @@ def _rolling_mean(x: np.ndarray, window: int) -> np.ndarray:
 
 
 def position_plot(rows: pl.DataFrame, title: str, colors: dict, path: Path) -> tuple[bool, list[str]]:
-    """Write KL per position along the scored window for each non-BF16 configuration of one prompt
-    set to ``path`` (raw values faint, a rolling mean over them bold). Returns whether a figure was
-    written (not when no positions file could be read) and notes on skipped configurations."""
+    """KL per position along the scored window of each configuration of one scored set (raw values
+    faint, a rolling mean bold). BF16 rows are drawn only where their KL is not 0 (a fast backend's
+    kernel drift). Returns whether a figure was written and notes on skipped configurations."""
     notes, lines = [], []
-    # a bf16 row is zero when it is the base itself; a fast backend's bf16 row is its kernel drift
-    drawn = (pl.col("quant") != "bf16") | (pl.col("kl_mean") > 0)
-    for r in rows.filter(drawn).iter_rows(named=True):
-        lab = r["config"]
-        pos_file = Path(r["row_file"]).with_suffix(".positions.parquet")
-        if not pos_file.is_file():
-            notes.append(f"{lab}: no positions file ({pos_file.name}), line skipped.")
-            continue
-        p = pl.read_parquet(pos_file, columns=["position", "kl"]).sort("position")
-        lines.append((lab, p["position"].to_numpy(), p["kl"].to_numpy().astype(np.float64)))
+    for r in rows.filter((pl.col("quant") != "bf16") | (pl.col("kl_mean") > 0)).iter_rows(named=True):
+        p = _positions(r)
+        if p is None:
+            notes.append(
+                f"{r['config']}: no readable positions file ({positions_path(r['row_file']).name}), line skipped."
+            )
+        else:
+            lines.append((r["config"], p["position"].to_numpy(), p["kl"].to_numpy().astype(np.float64)))
     if not lines:
         return False, notes
-    n = max(len(x) for _, x, _ in lines)
-    window = max(8, n // 16)
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    lowest = []
-    for lab, x, kl in lines:
-        smooth = _rolling_mean(kl, window)
-        ax.plot(x, kl, color=colors[lab], lw=0.6, alpha=0.25)
-        ax.plot(x, smooth, color=colors[lab], lw=2, label=lab)
-        lowest += [v for v in (smooth[smooth > 0].min(initial=np.inf),) if np.isfinite(v)]
-    ax.plot([], [], color="0.5", lw=0.6, alpha=0.5, label="raw, per position")
-    ax.set_yscale("log")
-    if lowest:  # raw dips far below the trend would squash it; cut them off 1.5 decades below
-        ax.set_ylim(bottom=min(lowest) / 30)
-    ax.set_xlabel("position in the scored window (tokens after the prompt)")
-    ax.set_ylabel("KL(BF16 ‖ config) (nats, log scale)")
-    zero = "; bf16 is 0 everywhere, not drawn" if len(rows.filter(~drawn)) else ""
-    ax.set_title(
-        f"KL along the scored window — {title}\n(bold: rolling mean over {window} positions{zero})", fontsize=10
+    window = max(8, max(len(x) for _, x, _ in lines) // 16)
+
+    def draw(ax):
+        lowest = []
+        for lab, x, kl in lines:
+            smooth = _rolling_mean(kl, window)
+            ax.plot(x, kl, color=colors[lab], lw=0.6, alpha=0.25)
+            ax.plot(x, smooth, color=colors[lab], lw=2, label=lab)
+            lowest += [v for v in (smooth[smooth > 0].min(initial=np.inf),) if np.isfinite(v)]
+        ax.plot([], [], color="0.5", lw=0.6, alpha=0.5, label="raw, per position")
+        ax.set_yscale("log")
+        if lowest:  # raw dips far below the trend would squash it; cut them off 1.5 decades below
+            ax.set_ylim(bottom=min(lowest) / 30)
+
+    xlabel = "position in the scored window (tokens after the prompt" + (
+        "; all items, concatenated)" if rows["n_prompts"].max() > 1 else ")"
     )
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
-    if rows["n_prompts"].max() > 1:
-        ax.set_xlabel("position in the scored windows of all prompts, concatenated (tokens)")
-    _save(fig, path)
+    title = f"KL along the scored window — {title}\n(bold: rolling mean over {window} positions)"
+    _plot(path, title, xlabel, "KL(BF16 ‖ config) (nats, log scale)", draw, figsize=(9, 4.8))
     return True, notes
-
-
-def _finite(value) -> bool:
-    return value is not None and bool(np.isfinite(value))
-
-
-def _is_corpus(rows: pl.DataFrame) -> bool:
-    """Whether ``rows`` (of one prompt set) scored a corpus's windows rather than prompts and replies."""
-    return "corpus" in rows.columns and rows["corpus"].is_not_null().any()
 
 
 def exact_cell(r: dict) -> str:
     """Whether a greedy speculative reply equals the plain one: ``yes``; ``no at step 12, margin 0.031:
-    near-tie`` (the target's top-1 led its top-2 by at most ``schema.tie_margin`` of the row's dtype there:
-    rounding);
-    ``**no at step 3, margin 4.2: MISMATCH**`` (a wider margin, or none known: a bug); ``– (sampled)``
-    when verification samples (nothing to compare); ``–`` for a plain row."""
+    near-tie`` (the target's top-1 led its top-2 by at most :func:`evals.verdicts.tie_margin` of the
+    row's dtype there: rounding); ``**no at step 3, margin 4.2: MISMATCH**`` (a wider margin, or none
+    known: a bug); ``– (sampled)`` when verification samples; ``–`` for a plain row."""
     if r["spec"] == "none":
         return "–"
     if r.get("spec_exact") is None:
@@ -483,306 +424,196 @@ def exact_cell(r: dict) -> str:
         return "yes"
     step, margin = r.get("spec_first_mismatch"), r.get("spec_mismatch_margin")
     at = "no" + (f" at step {step}" if step is not None else "")
-    if not _finite(margin):
-        return f"**{at}, margin ?: MISMATCH**"
-    if margin <= schema.tie_margin(r.get("dtype")):
+    if _finite(margin) and margin <= tie_margin(r.get("dtype")):
         return f"{at}, margin {margin:.3g}: near-tie"
-    return f"**{at}, margin {margin:.3g}: MISMATCH**"
+    return f"**{at}, margin {_fmt(margin, '{:.3g}')}: MISMATCH**"
 
 
-def _proposer(r: dict) -> str:
-    """``ngram (min_n=5,max_n=5)``, ``draft (...), T=0.7``; ``none (plain)``."""
+def _spec_label(r: dict) -> str:
+    """``ngram/int8_kv/k=4 (min_n=5,max_n=5), T=0.7``: a speculative row's name in tables and plots."""
     if r["spec"] == "none":
         return "none (plain)"
-    temperature = r.get("spec_temperature")
-    return (
-        r["spec"]
-        + (f" ({r['spec_settings']})" if r.get("spec_settings") else "")
-        + (f", T={temperature:g}" if temperature else "")
+    settings = f" ({r['spec_settings']})" if r.get("spec_settings") else ""
+    return f"{r['spec']} {r['config']}/k={_or_unknown(r['spec_k'])}{settings}" + (
+        f", T={r['spec_temperature']:g}" if r.get("spec_temperature") else ""
     )
 
 
-# (column, header, formatter) of the speculative part of each speculative decoding table.
-SPEC_COLUMNS = [
-    ("spec_acceptance_rate", "Acceptance rate (%)", "{:.1f}", 100),
-    ("spec_acceptance_length", "Mean acceptance length", "{:.2f}"),
-    ("spec_tokens_per_forward", "Tokens per target forward", "{:.2f}"),
-]
-
-
-def spec_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
-    """A Markdown table of one prompt set's plain and speculative rows (:func:`latest_rows` order: per
-    configuration, the plain row first) and the notes it needs (sampled rows)."""
-    head = (
-        ["Config", "Proposer", "k"]
-        + [h for _, h, *_ in SPEC_COLUMNS]
-        + [
-            "Plain decode tok/s",
-            "Speculative tok/s",
-            "Speed-up (×)",
-            "Draft ms/step",
-            "Verify ms/step",
-            "Exact (greedy reply = plain)",
-        ]
-    )
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows.iter_rows(named=True):
-        plain = r["spec"] == "none"
-        cells = (
-            [r["config"], _proposer(r), _or_unknown(r.get("spec_k")) if not plain else "–"]
-            + [_fmt(r.get(c), f, *s) for c, _, f, *s in SPEC_COLUMNS]
-            + [
-                _speed(r.get("decode_tok_s"), None),
-                _speed(r.get("spec_decode_tok_s"), None),
-                "1 (plain)" if plain else _fmt(r.get("spec_speedup"), "{:.2f}"),
-                _fmt(r.get("spec_draft_ms"), "{:.3g}"),
-                _fmt(r.get("spec_verify_ms"), "{:.3g}"),
-                exact_cell(r),
-            ]
-        )
-        lines.append("| " + " | ".join(cells) + " |")
-    notes = []
-    if rows["spec_temperature"].gt(0).any():
-        notes.append(
-            "rows with T > 0 verify by rejection sampling: their reply is not the greedy one, so it is not "
-            "compared (exact –), and their acceptance depends on the seed."
-        )
-    return "\n".join(lines), notes
-
-
-def _spec_labels(rows: pl.DataFrame) -> list[str]:
-    """A short name per speculative row of a group: ``int8_kv/k=4``, plus what else tells rows apart
-    in it (the proposer's settings, temperature, prompt set)."""
-    settings = rows.group_by("spec").agg(pl.col("spec_settings").n_unique()).filter(pl.col("spec_settings") > 1)
-    several_settings = set(settings["spec"])
-    several_temperatures = rows["spec_temperature"].n_unique() > 1
-    several_sets = rows["prompt_set"].n_unique() > 1
-    return [
-        f"{r['config']}/k={_or_unknown(r['spec_k'])}"
-        + (f" ({r['spec_settings']})" if r["spec"] in several_settings else "")
-        + (f", T={r['spec_temperature']:g}" if several_temperatures and r["spec_temperature"] is not None else "")
-        + (f", {r['prompt_set']}" if several_sets else "")
-        for r in rows.iter_rows(named=True)
-    ]
-
-
-def _proposer_styles(rows: pl.DataFrame) -> dict[str, tuple]:
-    """(color, marker, line style) per proposer, the same in every plot."""
-    cmap = plt.get_cmap("tab10")
-    styles = ["-", "--", "-.", ":"]
-    order = SPEC_ORDER + sorted(set(rows["spec"]) - set(SPEC_ORDER))
-    return {p: (cmap(i % 10), "osD^vP*X"[i % 8], styles[i % 4]) for i, p in enumerate(order)}
-
-
-def speedup_plot(rows: pl.DataFrame, title: str, path: Path) -> tuple[bool, list[str]]:
-    """Write the speed-up against mean acceptance length of one group's speculative rows to ``path``:
-    one point per row (color and marker = proposer, labelled ``config/k``) and a dashed line at 1×
-    (plain decoding). Returns whether a figure was written and notes on rows that could not be drawn."""
-    notes, points = [], []
-    styles = _proposer_styles(rows)
-    for r, lab in zip(rows.iter_rows(named=True), _spec_labels(rows)):
-        x, y = r.get("spec_acceptance_length"), r.get("spec_speedup")
-        if _finite(x) and _finite(y):
-            points.append((r["spec"], lab, x, y))
-        else:
-            notes.append(f"{r['spec']} {lab}: no speed-up or mean acceptance length, not plotted.")
-    if not points:
-        return False, notes
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    ax.axhline(1.0, color="0.35", ls="--", lw=1.2, label="plain decoding (1×)")
-    for spec in dict.fromkeys(p[0] for p in points):
-        color, marker, _ = styles[spec]
-        xs, ys = [p[2] for p in points if p[0] == spec], [p[3] for p in points if p[0] == spec]
-        ax.scatter(xs, ys, color=color, marker=marker, s=60, edgecolors="black", linewidths=0.5, zorder=3, label=spec)
-    for _, lab, x, y in points:
-        ax.annotate(lab, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
-    ax.set_xlabel("mean acceptance length (tokens per draft round, 1 + accepted/drafts)")
-    ax.set_ylabel("speed-up (speculative / plain decode tok/s)")
-    ax.set_title(f"Speculative decoding speed-up — {title}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
-    _save(fig, path)
-    return True, notes
-
-
-def acceptance_plot(rows: pl.DataFrame, title: str, path: Path) -> tuple[bool, list[str]]:
-    """Write the acceptance rate at each position of the draft (``spec_acceptance_at``) of one group's
-    speculative rows to ``path``, one line per row (color, marker and style by proposer, shade by
-    row). Returns whether a figure was written and notes on rows without the figures."""
-    notes, lines = [], []
-    styles = _proposer_styles(rows)
-    for r, lab in zip(rows.iter_rows(named=True), _spec_labels(rows)):
-        at = [np.nan if v is None else v for v in (r.get("spec_acceptance_at") or [])]
-        if any(np.isfinite(at)):
-            lines.append((r["spec"], lab, np.asarray(at, dtype=np.float64)))
-        else:
-            notes.append(f"{r['spec']} {lab}: no acceptance rate per draft position, not plotted.")
-    if not lines:
-        return False, notes
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    cmap = plt.get_cmap("tab20")
-    for i, (spec, lab, at) in enumerate(lines):
-        _, marker, ls = styles[spec]
-        x = np.arange(1, len(at) + 1)
-        ax.plot(x, at, color=cmap(i % 20), marker=marker, ls=ls, lw=1.5, ms=5, label=f"{spec} {lab}")
-    ax.set_xticks(range(1, max(len(at) for *_, at in lines) + 1))
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("position in the draft (1: first drafted token)")
-    ax.set_ylabel("acceptance rate (accepted / drafted there)")
-    ax.set_title(f"Acceptance along the draft — {title}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, frameon=False)
-    _save(fig, path)
-    return True, notes
-
-
-def spec_section(group: pl.DataFrame, title: str, slug: list, out_dir: Path) -> list[str]:
-    """The Markdown lines of one group's speculative decoding part (tables per prompt set, then the
-    plots, written into ``out_dir``); none when no row of the group speculates."""
+def spec_section(group: pl.DataFrame, title: str, slug: str, out_dir: Path) -> list[str]:
+    """The Markdown lines of one section's speculative decoding part (a table per scored set, then the
+    speed-up and acceptance plots, written into ``out_dir``); none when no row speculates."""
     speculative = group.filter(pl.col("spec") != "none")
     if speculative.is_empty():
         return []
+    margins = ", ".join(f"{d} {m:g}" for d, m in SPEC_TIE_MARGIN.items())
     md = [
         "",
         "### Speculative decoding",
         "",
         "The timed decode steps after the prompt, decoded speculatively and plainly in the same job: the "
-        "speed-up is speculative over plain decode tok/s of that row; plain (spec=none) rows are the "
-        "baseline. Acceptance rate is accepted over drafted tokens; mean acceptance length is "
-        "1 + accepted/drafts (vLLM's); tokens per target forward is new tokens over forwards of the target "
-        "model; draft and verify ms are per target step. Exact: whether the greedy speculative reply equals "
-        "the plain greedy one, else the first step where it differs and the target's top-1 minus top-2 logit there "
-        "(up to the near-tie margin of the model dtype, "
-        + ", ".join(f"{d} {m:g}" for d, m in schema.SPEC_TIE_MARGIN.items())
-        + " logits: rounding between the verify and the decode path; above: a MISMATCH, a bug).",
+        "speed-up is speculative over plain decode tok/s of that row. Acceptance rate is accepted over drafted "
+        "tokens; mean acceptance length is 1 + accepted/drafts (vLLM's); tokens per target forward is new tokens "
+        "over forwards of the target; draft and verify ms are per target step. Exact: whether the greedy "
+        "speculative reply equals the plain one, else the first step where it differs and the target's top-1 "
+        f"minus top-2 logit there (up to the near-tie margin of the dtype, {margins} logits: rounding between the "
+        "verify and the decode path; above: a MISMATCH, a bug).",
     ]
+    head = ["Config", "Proposer", "k", *(h for _, h, *_ in SPEC_COLUMNS), "Plain decode tok/s", "Speculative tok/s"]
+    head += ["Speed-up (×)", "Draft ms/step", "Verify ms/step", "Exact (greedy reply = plain)"]
     for (prompt_set,), rs in group.group_by("prompt_set", maintain_order=True):
-        if rs["spec"].ne("none").any():
-            table, notes = spec_table(rs)
-            md += ["", f"#### Prompt set `{prompt_set}` (speculative decoding)", "", table]
-            md += [f"\nNote: {t}" for t in notes]
+        if rs["spec"].eq("none").all():
+            continue
+        cells = [
+            [r["config"], _spec_label(r), "–" if r["spec"] == "none" else _or_unknown(r.get("spec_k"))]
+            + [_fmt(r.get(c), f, s) for c, _, f, s in SPEC_COLUMNS]
+            + [_speed(r.get("decode_tok_s"), None), _speed(r.get("spec_decode_tok_s"), None)]
+            + ["1 (plain)" if r["spec"] == "none" else _fmt(r.get("spec_speedup"), "{:.2f}")]
+            + [_fmt(r.get("spec_draft_ms"), "{:.3g}"), _fmt(r.get("spec_verify_ms"), "{:.3g}"), exact_cell(r)]
+            for r in rs.iter_rows(named=True)
+        ]
+        md += ["", f"#### `{prompt_set}` (speculative decoding)", "", md_table(head, cells)]
+        if rs["spec_temperature"].gt(0).any():
+            md.append(
+                "\nNote: rows with T > 0 verify by rejection sampling: their reply is not the greedy one, so it is "
+                "not compared (exact –), and their acceptance depends on the seed."
+            )
     md += ["", f"Note: {DFLASH_NOTE}"]
-    path = out_dir / f"spec_speedup-{_slug(*slug)}.png"
-    written, notes = speedup_plot(speculative, title, path)
-    if written:
-        md += ["", f"![speculative speed-up against mean acceptance length, {title}]({path.name})"]
-    path = out_dir / f"spec_acceptance-{_slug(*slug)}.png"
-    written, more = acceptance_plot(speculative, title, path)
-    if written:
-        md += ["", f"![acceptance rate along the draft, {title}]({path.name})"]
-    return md + [f"\nNote: {t}" for t in notes + more]
+    colors = _colors(speculative["spec"])
+    named = [
+        (r, _spec_label(r) + (f", {r['prompt_set']}" if group["prompt_set"].n_unique() > 1 else ""))
+        for r in speculative.iter_rows(named=True)
+    ]
+    points = [
+        (r, lab) for r, lab in named if _finite(r.get("spec_acceptance_length")) and _finite(r.get("spec_speedup"))
+    ]
+    curves = [(r, lab) for r, lab in named if any(_finite(v) for v in r.get("spec_acceptance_at") or [])]
+    md += [
+        f"\nNote: {lab}: no speed-up or acceptance figures, not plotted." for r, lab in named if (r, lab) not in points
+    ]
+
+    def speedup(ax):
+        ax.axhline(1.0, color="0.35", ls="--", lw=1.2, label="plain decoding (1×)")
+        for r, lab in points:
+            x, y = r["spec_acceptance_length"], r["spec_speedup"]
+            ax.scatter(x, y, color=colors[r["spec"]], s=60, edgecolors="black", zorder=3, label=lab)
+
+    def acceptance(ax):
+        for r, lab in curves:
+            at = np.array([np.nan if v is None else v for v in r["spec_acceptance_at"]], dtype=np.float64)
+            ax.plot(np.arange(1, len(at) + 1), at, color=colors[r["spec"]], marker="o", lw=1.5, ms=5, label=lab)
+        ax.set_ylim(-0.02, 1.02)
+
+    for what, rows_, draw, xlabel, ylabel in (
+        ("speedup", points, speedup, "mean acceptance length (1 + accepted/drafts)", "speed-up (speculative / plain)"),
+        ("acceptance", curves, acceptance, "position in the draft (1: first drafted token)", "acceptance rate there"),
+    ):
+        if rows_:
+            path = out_dir / f"spec_{what}-{slug}.png"
+            _plot(path, f"Speculative decoding {what} — {title}", xlabel, ylabel, draw)
+            md += ["", f"![speculative decoding {what}, {title}]({path.name})"]
+    return md
+
+
+def _slug(parts: list, rest: list) -> str:
+    """A file name part: the readable ``parts`` and a short hash of the ``rest`` of a section's setup."""
+    readable = "-".join(re.sub(r"[^A-Za-z0-9.]+", "_", str(p)) for p in parts)
+    return f"{readable}-{hashlib.sha256(repr(rest).encode()).hexdigest()[:6]}" if rest else readable
 
 
 def render(runs_dir: Path, out_dir: Path | None = None) -> Path:
-    """Write the report of the rows under ``runs_dir`` into ``out_dir`` (default
-    ``runs_dir/report``): summary table, PNG plots, then ``report.md``. Returns the path of
-    ``report.md``. Raises UserError when there are no rows."""
+    """Write the report of the rows under ``runs_dir`` into ``out_dir`` (default ``runs_dir/report``):
+    summary table, PNG plots, then ``report.md``. Returns the path of ``report.md``.
+
+    Raises:
+        UserError: no rows.
+    """
     runs_dir = Path(runs_dir)
     out_dir = Path(out_dir) if out_dir else runs_dir / "report"
-    df, rows_dir, duplicates = load_rows(runs_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tables.write_summary(df.drop("row_file"), out_dir)
-    rows, dropped = latest_rows(df)
-    dropped += duplicates
-    several_backends = rows["backend"].n_unique() > 1
-    print(f"report: {len(rows)} result rows from {rows_dir}" + (f" ({dropped} older left out)" if dropped else ""))
-    degenerate = tables.degenerate_note(plain_rows(rows))  # a speculative row repeats its plain row's reply
-    if degenerate:
-        print(f"warning: {degenerate}")
-
+    rows, folder, older = load_rows(runs_dir)
+    files.make_dir(out_dir)
+    (out_dir / "report.md").unlink(missing_ok=True)  # never an old report beside new plots
+    tables.write_summary(rows.drop("row_file", "config"), out_dir)
+    print(f"report: {len(rows)} result rows from {folder}" + (f" ({older} older left out)" if older else ""))
+    plain = plain_rows(rows)
     md = [
         f"# tileinfer report: {runs_dir}",
         "",
-        f"{len(rows)} result rows from `{rows_dir}`, generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. "
+        f"{len(rows)} result rows from `{folder}`, generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. "
         "All rows: [summary.md](summary.md) / `summary.parquet`.",
         "",
         "Drift statistics are those of llama.cpp's `perplexity --kl-divergence`, under its names: "
-        "KL(BF16 ‖ config) in nats over the scored positions (the BF16 model's greedy reply after a prompt "
-        "of ctx tokens), "
-        "RMS Δp and Same top p in percent. Greedy agree len is how many leading reply tokens the "
-        "configuration reproduces greedily (mean over prompts, of the window length). "
-        "**Prompt sets are not averaged together**: each gets its own table, every number is exactly "
-        "the sweep's row. Speeds are tokens/s with the ratio to the BF16 row of the same table in "
-        "parentheses (above 1.00× is faster).",
+        "KL(base ‖ config) in nats over the scored positions, RMS Δp and Same top p in percent. Greedy agree len "
+        "is how many leading reply tokens the configuration reproduces greedily (mean over items, of the "
+        "window length). **Scored sets are not averaged together**: each gets its own table, every number is "
+        "exactly the sweep's row. Speeds are tokens/s with the ratio to the BF16 row of the same table in "
+        "parentheses (above 1.00× is faster). Reply repetition is the share of the scored reply that continues "
+        f"a 4-gram seen earlier in it; above {DEGENERATE_REPEAT:.0%} the window is degenerate (trivially "
+        "predictable, so KL understates the drift); ? marks rows written before it was measured.",
     ]
-    if REPETITION & set(rows.columns):
-        md[-1] += (
-            " Reply repetition is the share of the scored reply that continues a 4-gram seen earlier in it; "
-            f"above {DEGENERATE_REPEAT:.0%} the window is degenerate (trivially predictable, so KL understates "
-            "the drift); "
-            "? marks rows written before it was measured."
-        )
-    if rows["spec"].ne("none").any():
-        md[-1] += (
-            " Rows with speculative decoding score the same drift as plain ones: the drift tables show the plain "
-            "(spec=none) row of each configuration; their speculative figures are in the sections' "
-            '"Speculative decoding" parts.'
-        )
-    if degenerate:
-        md += ["", f"**Warning:** {degenerate}"]
-    mismatches = [
+    warnings = [tables.degenerate_note(plain)]
+    if mismatches := [
         "/".join(map(str, (r["model"], r["config"], r["ctx"], r["prompt_set"], r["backend"], r["spec"])))
         for r in rows.iter_rows(named=True)
         if exact_cell(r).endswith("MISMATCH**")
-    ]
-    if mismatches:
-        mismatch = (
-            f"{len(mismatches)} speculative row(s) left the plain greedy reply beyond a near-tie (MISMATCH): "
-            + ", ".join(mismatches)
+    ]:
+        warnings.append(
+            f"{len(mismatches)} speculative row(s) left the plain greedy reply beyond a near-tie "
+            f"(MISMATCH): {', '.join(mismatches)}"
         )
-        print(f"warning: {mismatch}")
-        md += ["", f"**Warning:** {mismatch}"]
-    if dropped:
-        md += ["", f"Note: {dropped} older row(s) of a configuration that has a newer row were left out."]
+    for w in filter(None, warnings):
+        print(f"warning: {w}")
+        md += ["", f"**Warning:** {w}"]
+    if older:
+        md += ["", f"Note: {older} older row(s) of a configuration that has a newer row were left out."]
     varying = [c for c in SETUP if rows[c].n_unique() > 1]
-    for key, every in rows.group_by([*GROUP, *varying], maintain_order=True):
-        model, ctx, backend, *setup = key
+    several_backends = rows["backend"].n_unique() > 1
+    for (model, ctx, backend, *setup), every in rows.group_by([*GROUP, *varying], maintain_order=True):
         group = plain_rows(every)
-        title = (
-            f"{model}, ctx {ctx}"
-            + (f", backend {backend}" if several_backends else "")
-            + "".join(f", {c} {_or_unknown(v)}" for c, v in zip(varying, setup))
-        )
-        slug = [model, ctx, backend, *map(_or_unknown, setup)]
+        title = f"{model}, ctx {ctx}" + (f", backend {backend}" if several_backends else "")
+        title += "".join(f", {c} {_or_unknown(v)}" for c, v in zip(varying, setup))
+        slug = _slug([model, ctx, backend], setup)
         md += [
             "",
             f"## {title}",
             "",
-            f"Model `{model}`, ctx {ctx} ({_values(group, 'ctx_tokens')} prompt "
-            f"tokens), backend `{backend}`, device {_values(group, 'device')}.",
+            f"Model `{model}`, ctx {ctx} ({_values(group, 'ctx_tokens')} prompt tokens), backend `{backend}`, "
+            f"device {_values(group, 'device')}.",
         ]
-        colors = _colors(group)
+        colors = _colors(group["config"])
         for (prompt_set, corpus), rs in group.group_by("prompt_set", "corpus", maintain_order=True):
-            table, notes = markdown_table(rs)
-            n = rs["n_scored"].max()
-            source = f"`{corpus}`, " if corpus and corpus != prompt_set else ""
-            kind = (
-                f"Corpus `{prompt_set}` ({source}{rs['n_windows'].max()} window(s)"
-                if _is_corpus(rs)
-                else (f"Prompt set `{prompt_set}` ({rs['n_prompts'].max()} prompt(s)")
-            )
-            md += ["", f"### {kind}, {n} scored positions)", "", table]
-            md += [f"\nNote: {t}" for t in notes]
-            sigma = sigma_table(rs)
-            if sigma:
+            table, notes = drift_table(rs)
+            if corpus is not None:
+                source = f"`{corpus}`, " if corpus != prompt_set else ""
+                kind = f"Corpus `{prompt_set}` ({source}{rs['n_windows'].max()} window(s)"
+            else:
+                kind = f"Prompt set `{prompt_set}` ({rs['n_prompts'].max()} prompt(s)"
+            md += [
+                "",
+                f"### {kind}, {rs['n_scored'].max()} scored positions)",
+                "",
+                table,
+                *(f"\nNote: {t}" for t in notes),
+            ]
+            if (degenerate := tables.degenerate_note(rs)) is not None:
+                md += ["", f"**Warning:** {degenerate}"]
+            if sigma := sigma_table(rs):
                 md += ["", f"#### llama.cpp's ± 1σ figures, {prompt_set}", ""]
-                md += ["Positions taken as independent, as llama.cpp does: narrower than the intervals above.", ""]
-                md += [sigma]
-        scatter = out_dir / f"scatter-{_slug(*slug)}.png"
+                md += [
+                    "Positions taken as independent, as llama.cpp does: narrower than the intervals above.",
+                    "",
+                    sigma,
+                ]
+        scatter = out_dir / f"scatter-{slug}.png"
         notes = scatter_plot(group, title, colors, scatter)
-        md += ["", f"![mean KL against decode speed, {title}]({scatter.name})"]
-        md += [f"\nNote: {t}" for t in notes]
+        md += ["", f"![mean KL against decode speed, {title}]({scatter.name})", *(f"\nNote: {t}" for t in notes)]
         for (prompt_set,), rs in group.group_by("prompt_set", maintain_order=True):
-            fig = out_dir / f"kl_by_position-{_slug(*slug, prompt_set)}.png"
-            written, notes = position_plot(rs, f"{title}, prompt set {prompt_set}", colors, fig)
+            fig = out_dir / f"kl_by_position-{slug}-{re.sub(r'[^A-Za-z0-9.]+', '_', prompt_set)}.png"
+            written, notes = position_plot(rs, f"{title}, {prompt_set}", colors, fig)
             if written:
-                md += ["", f"![KL per position, {title}, prompt set {prompt_set}]({fig.name})"]
-            elif rs["quant"].ne("bf16").any():
-                notes.append(f"no positions files for prompt set {prompt_set}, so no KL-per-position plot.")
+                md += ["", f"![KL per position, {title}, {prompt_set}]({fig.name})"]
             md += [f"\nNote: {t}" for t in notes]
         md += spec_section(every, title, slug, out_dir)
-    paired = paired_table(plain_rows(rows))
-    if paired:
+    if paired := paired_table(plain):
         md += [
             "",
             "## Paired differences",
@@ -802,7 +633,7 @@ def main(argv=None) -> None:
     ap.add_argument("runs_dir", type=Path, help="runs folder of the sweep (its rows/ are read)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: RUNS_DIR/report)")
     args = ap.parse_args(argv)
-    with exit_on_user_error("tileinfer.report"):
+    with exit_on_error("tileinfer.report"):
         print(f"wrote {render(args.runs_dir, args.out)}")
 
 

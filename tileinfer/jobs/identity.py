@@ -3,13 +3,15 @@
 The row file's name hashes these columns (:func:`row_file_name`), the row holds them, the gate
 matches baseline rows on :data:`DRIFT` and the report groups rows by them. A setting that changes
 the numbers and is missing here would make two configurations share a row: add it here and to
-``tables.make_row`` together.
+:meth:`tileinfer.jobs.plan.Plan.identity` together.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+
+from evals.registry import EVALUATIONS
 
 # The configuration under test: model file, quantization, dtype, backend, speculative decoding.
 CONFIG = (
@@ -30,17 +32,17 @@ CONFIG = (
     "spec_temperature",
     "spec_seed",
 )
-# How it is scored: prompt (or corpus: its spec, how many windows; prompts_sha256 hashes the windows'
-# tokens), scored window, base side, and the runner settings that reorder sums.
+# How it is scored: the scored set (prompts_sha256 hashes its token ids) and the columns each
+# evaluation adds (evals.registry: a corpus and its windows, the scored reply's length, BOS), the base
+# side, and the runner settings that reorder sums. A row sets the columns of its own evaluation; the
+# others are null.
+EVALUATION = tuple(dict.fromkeys(c for name in sorted(EVALUATIONS) for c in EVALUATIONS[name].IDENTITY))
 SCORING = (
     "ctx",
     "ctx_tokens",
     "prompt_set",
     "prompts_sha256",
-    "corpus",
-    "n_windows",
-    "add_bos",
-    "n_score",
+    *EVALUATION,
     "base",
     "top_k",
     "page_size",

@@ -1,21 +1,17 @@
 """The typed configuration of every command: Hydra structured configs, checked once.
 
-``conf/*.yaml`` give the values; the dataclasses here give the types, the defaults and the allowed
-ranges. Hydra validates types while it composes (``eval.n_score=abc`` is refused, in Hydra's own
-few-line message, before anything runs), and :func:`load` turns the composed config into a
-:class:`Config` whose ``__post_init__`` checks ranges and choices, so a job only ever sees checked
-settings. Every command
-(sweep, gate, record) composes the same schema; ``gate`` is only set by conf/gate.yaml.
-
-Ranges live in field metadata (``lo``/``hi``/``choices``) so the rule sits next to the field.
+``conf/*.yaml`` give the values; the dataclasses here (and each evaluation's settings,
+:data:`evals.registry.EVALUATIONS`) give the types, the defaults and the allowed ranges. Hydra
+validates types while it composes (``speed.repeats=abc`` is refused before anything runs), and
+:func:`load` turns the composed config into a :class:`Config` whose ``__post_init__`` checks ranges
+and choices, so a job only ever sees checked settings. Every command (sweep, gate, record) composes
+the same schema; ``gate`` is only set by conf/gate.yaml. Ranges live in field metadata
+(:mod:`tileinfer.core.settings`) so the rule sits next to the field.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import os
-import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -23,17 +19,16 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
 
+from evals.registry import EVALUATIONS
+from evals.verdicts import SPEC_TIE_MARGIN
 from quantize import DEFAULT_ALPHA, DEFAULT_CALIBRATION_TOKENS, NAMED, PRECISIONS, QuantScheme
-from tileinfer.core.errors import USAGE_ERROR, UserError
+from tileinfer.core import gpu_slots
+from tileinfer.core.errors import UserError
+from tileinfer.core.fetch import SOURCES
+from tileinfer.core.settings import check_number, check_ranges
+from tileinfer.core.settings import choice as _choice
+from tileinfer.core.settings import number as _num
 from tileinfer.ops import BACKENDS
-
-
-def _num(default, lo=None, hi=None):
-    return field(default=default, metadata={"lo": lo, "hi": hi})
-
-
-def _choice(default, *choices):
-    return field(default=default, metadata={"choices": choices})
 
 
 @dataclass
@@ -57,17 +52,12 @@ class ModelGroup:
             self.source, self.config = {"path": str(path)}, None
         elif "/" in self.name or self.name.endswith(".gguf"):  # rows and caches are named by it
             raise UserError(f"model.name={self.name}: a local checkpoint is given as model.path={self.name}")
-        sources = [k for k in ("pypi", "path", "hf_repo") if k in self.source]
+        sources = [k for k in SOURCES if k in self.source]
         if len(sources) > 1:  # e.g. +model.source.path=... on a registry model
             raise UserError(
                 f"model {self.name} has {len(sources)} sources ({', '.join(sources)}); "
                 "a local checkpoint is given as model.path=FILE"
             )
-
-
-# The shipped quant configs (conf/quant/NAME.yaml): name -> (weights, kv_cache). Rows, file names and
-# tables are labelled by the name, so a name must say what the weights and the cache are.
-QUANT_NAMES = NAMED
 
 
 @dataclass
@@ -84,10 +74,10 @@ class QuantGroup:
     calibration_tokens: int = _num(DEFAULT_CALIBRATION_TOKENS, 1)  # tokens of that text run to calibrate
 
     def __post_init__(self):
-        want = QUANT_NAMES.get(self.name)
+        want = NAMED.get(self.name)
         have = (self.weights, self.kv_cache)
         if want is not None and want != have and set(have) <= set(PRECISIONS):  # else the range check says it
-            right = next((n for n, wk in QUANT_NAMES.items() if wk == have), None)
+            right = next((n for n, wk in NAMED.items() if wk == have), None)
             raise UserError(
                 f"quant={self.name} means weights={want[0]} kv_cache={want[1]}, not weights={have[0]} "
                 f"kv_cache={have[1]}" + (f": use quant={right}" if right else "")
@@ -133,13 +123,15 @@ class BackendGroup:
     name: str = _choice(MISSING, "auto", *BACKENDS)
 
 
-# Each proposer's settings and their defaults (k = 7 as TileInfer.jl; n-gram lengths as vLLM's; DFlash
-# drafts a block of 16 less the anchor token). draft_model and dflash have no default.
+# The proposers (spec.name; none: plain decoding) and each one's settings with their defaults (k = 7 as
+# TileInfer.jl; n-gram lengths as vLLM's; DFlash drafts a block of 16 less the anchor token).
+# draft_model and dflash have no default.
 SPEC_DEFAULTS = {
     "ngram": {"k": 7, "min_n": 5, "max_n": 5},
     "draft": {"k": 7, "draft_model": None, "draft_quant": "bf16"},
     "dflash": {"k": 15, "dflash": None},
 }
+PROPOSERS = ("none", *SPEC_DEFAULTS)
 
 
 @dataclass
@@ -153,16 +145,37 @@ class SpecGroup:
     rejection sampling (seeded by ``seed``).
     """
 
-    name: str = _choice("none", "none", "ngram", "draft", "dflash")
+    name: str = _choice("none", *PROPOSERS)
     # the proposer's own settings (null: the proposer's default, SPEC_DEFAULTS); another proposer's is refused
     k: Optional[int] = _num(None, 1)
     min_n: Optional[int] = _num(None, 1)
     max_n: Optional[int] = _num(None, 1)
     draft_model: Optional[str] = None
-    draft_quant: Optional[str] = _choice(None, None, *QUANT_NAMES)
+    draft_quant: Optional[str] = _choice(None, None, *NAMED)
     dflash: Optional[str] = None
     temperature: float = _num(0.0, 0.0)
     seed: int = 0
+
+    def identity(self, draft_sha256: str | None) -> dict:
+        """The row identity columns of these settings (tileinfer.jobs.identity.CONFIG): the proposer,
+        k, its other settings that change its drafts (``spec_settings``: the draft checkpoint by hash,
+        a DFlash drafter by path or repo), the temperature and, when verification samples, the seed;
+        all None but ``spec`` for ``spec=none``."""
+        on = self.name != "none"
+        settings = {
+            "ngram": lambda: f"min_n={self.min_n},max_n={self.max_n}",
+            "draft": lambda: f"draft={self.draft_model}@{(draft_sha256 or '')[:12]},quant={self.draft_quant}",
+            "dflash": lambda: (
+                f"dflash={Path(self.dflash).expanduser() if Path(self.dflash).expanduser().exists() else self.dflash}"
+            ),
+        }
+        return dict(
+            spec=self.name,
+            spec_k=self.k if on else None,
+            spec_settings=settings[self.name]() if on else None,
+            spec_temperature=self.temperature if on else None,
+            spec_seed=self.seed if on and self.temperature > 0 else None,
+        )
 
     def __post_init__(self):
         own = SPEC_DEFAULTS.get(self.name, {})
@@ -190,22 +203,6 @@ class SpecGroup:
 
 
 @dataclass
-class EvalGroup:
-    """``conf/eval/NAME.yaml``: what is scored. ``default``: prompt sets, each followed by the base
-    model's greedy reply; ``corpus``: text corpora in llama.cpp's windows (evals/corpus.py)."""
-
-    prompt_sets: list[str] = field(default_factory=lambda: ["edit", "explain"])  # built-in names or file paths
-    n_score: int = _num(1024, 1)  # scored positions: the base model's greedy reply after the prompt
-    # built-in corpora (pydoc, stdlib), local text/json/jsonl/parquet/csv files, or hf:REPO[:CONFIG[:SPLIT]]
-    corpora: list[str] = field(default_factory=list)
-    n_windows: int = _num(10, 1)  # at most this many ctx-token windows per corpus (the first ones)
-    text_column: str = "text"  # the column of a corpus's records that holds the text
-    # BOS before a text prompt file's tokens (llama.cpp's perplexity/KL does); null: the tokenizer's
-    # add_bos_token. The built-in chat prompts follow their chat template instead.
-    add_bos: Optional[bool] = None
-
-
-@dataclass
 class KVSettings:
     page_size: int = _num(64, 1)  # positions per KV page
     prefill_chunk: int = _num(512, 1)  # most tokens per prefill step (bounds activation memory)
@@ -228,21 +225,6 @@ class SpeedSettings:
     repeats: int = _num(5, 1)  # timed repetitions of those steps: rows give the median tok/s and the min/max
     warmup: bool = True  # one short prefill + decode first (kernel compilation, allocator)
     cuda_graph: bool = True  # decode steps replay a captured CUDA graph (triton/cutile on CUDA only)
-
-
-# Logits, per model dtype: a greedy speculative reply that parts from the plain one where the
-# target's top-1 led its top-2 by at most this is a near-tie (a verify step rounds differently from a
-# decode step), beyond it a bug. BF16 on the H200 moved the top-1 minus top-2 margin by up to 0.75
-# logits between the two paths (benchmarks/results/h200-2026-11-30-verify-margin.md); float32 by
-# rounding only. The gate's default (gate.spec_tie_margin); the report and printed tables use it too.
-SPEC_TIE_MARGIN = {"bfloat16": 1.0, "float16": 1.0, "float32": 0.01}
-
-
-def tie_margin(dtype: str | None, margins: dict | None = None) -> float:
-    """The near-tie margin (logits) of a model dtype (:data:`SPEC_TIE_MARGIN`, or ``margins``); the
-    widest one for a dtype it does not list."""
-    margins = SPEC_TIE_MARGIN if margins is None else margins
-    return float(margins.get(dtype, max(margins.values())))
 
 
 @dataclass
@@ -285,7 +267,7 @@ class Config:
     ctx: CtxGroup = MISSING
     backend: BackendGroup = MISSING
     spec: SpecGroup = field(default_factory=SpecGroup)
-    eval: EvalGroup = field(default_factory=EvalGroup)
+    eval: Any = MISSING  # an evaluation's settings (conf/eval/NAME.yaml, evals.registry)
     runs_dir: str = "runs"  # rows, caches and logs go here (relative to the current directory)
     # seconds of unsaved work after which a long pass (a 32k prefill on the CPU) saves a resume
     # snapshot of its KV cache under runs_dir/cache (also saved on Ctrl-C); 0: on Ctrl-C only
@@ -299,41 +281,11 @@ class Config:
 
     def __post_init__(self):
         check_ranges(self)
-        if not self.eval.prompt_sets and not self.eval.corpora:
-            raise UserError(
-                "eval.prompt_sets must be a non-empty list, e.g. eval.prompt_sets=[edit,explain], unless "
-                "eval.corpora names corpora (eval=corpus)"
-            )
-        if self.eval.corpora and self.ctx.tokens < 2:
-            raise UserError(f"ctx.tokens={self.ctx.tokens}: a corpus window needs at least 2 tokens")
+        self.evaluation().positions(self.ctx.tokens, self.speed.decode_tokens)  # e.g. a window too short
 
-
-def check_number(key: str, v, kind=float, lo=None, hi=None) -> None:
-    """Raise UserError unless setting ``key``'s value ``v`` is a finite ``kind`` (int or float) in
-    [lo, hi] (None: unbounded on that side)."""
-    try:
-        ok = not isinstance(v, bool) and math.isfinite(float(v)) and float(v) == kind(v)
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
-        raise UserError(f"{key}={v!r}: expected {'an integer' if kind is int else 'a number'}")
-    if (lo is not None and kind(v) < lo) or (hi is not None and kind(v) > hi):
-        rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
-        raise UserError(f"{key}={v}: must be {rng}")
-
-
-def check_ranges(node, prefix: str = "") -> None:
-    """Check every field of dataclass ``node`` (recursively) against its ``lo``/``hi``/``choices``
-    metadata. Raises UserError naming the first setting out of range."""
-    for f in fields(node):
-        value, key = getattr(node, f.name), f"{prefix}{f.name}"
-        if is_dataclass(value):
-            check_ranges(value, key + ".")
-        elif "choices" in f.metadata and value not in f.metadata["choices"]:
-            shown = ", ".join("null" if c is None else str(c) for c in f.metadata["choices"])
-            raise UserError(f"{key}={value}: expected one of {shown}")
-        elif "lo" in f.metadata and value is not None:
-            check_number(key, value, int if "int" in f.type else float, f.metadata["lo"], f.metadata["hi"])
+    def evaluation(self):
+        """The :class:`evals.evaluation.Evaluation` that ``eval`` names, built from its settings."""
+        return EVALUATIONS[self.eval.name](self.eval)
 
 
 def unknown_keys(node: DictConfig, schema_type: type, prefix: str = "") -> list[str]:
@@ -347,86 +299,6 @@ def unknown_keys(node: DictConfig, schema_type: type, prefix: str = "") -> list[
         elif isinstance(node[key], DictConfig) and is_dataclass(OmegaConf.get_type(node[key])):
             out += unknown_keys(node[key], OmegaConf.get_type(node[key]), f"{prefix}{key}.")
     return out
-
-
-# Settings renamed since earlier releases: old group -> new group (an old name gets this hint).
-RENAMED_SETTINGS = {"reference": "base"}
-
-
-def check_argv(prog: str, argv: list[str]) -> None:
-    """Exit with one line for a command-line mistake Hydra would answer with several lines that do
-    not say what to write: a renamed setting (``reference.source=...``) or a checkpoint path given as
-    ``model=PATH`` (the model group takes names; a local checkpoint is ``model.path=PATH``)."""
-    for arg in argv:
-        key, _, value = arg.lstrip("+~").partition("=")
-        group = key.split(".", 1)[0]
-        if group in RENAMED_SETTINGS and "=" in arg:
-            new = arg.lstrip("+~").replace(group, RENAMED_SETTINGS[group], 1)
-            print(f"{prog}: error: {group}.* is now {RENAMED_SETTINGS[group]}.*: write {new}", file=sys.stderr)
-            sys.exit(USAGE_ERROR)
-        if key == "model" and ("/" in value or value.endswith(".gguf") or Path(value).expanduser().exists()):
-            print(f"{prog}: error: model={value}: a local checkpoint is given as model.path={value}", file=sys.stderr)
-            sys.exit(USAGE_ERROR)
-
-
-# Hydra flags that print something instead of running a job (--cfg job, --info, --help, ...).
-_NO_JOB = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help", "--shell-completion", "-sc", "--version"}
-
-
-def check_jobs(prog: str, argv: list[str], config_name: str = "config") -> int:
-    """Compose and check every job of the command line before any runs; return how many there are.
-
-    A multirun (``-m a=1,2 b=x,y``) is expanded the way Hydra's basic sweeper expands it, and each
-    job's configuration is composed and :func:`load`-ed, so a bad value in the last job is refused
-    before the first one computes anything, and before Hydra makes a log folder. Any failure exits
-    with one line (Hydra's own composition errors run to several). Settings under ``hydra.`` and
-    runs with ``--config-dir``/``-cd`` (another search path) are left to Hydra.
-    """
-    from hydra import compose, initialize_config_module
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    flags = [a.split("=", 1)[0] for a in argv if a.startswith("-")]
-    if set(flags) & {"--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn"} or set(flags) & _NO_JOB:
-        return 1
-    # a flag's value (--package P, --experimental-rerun F) is not an override
-    valued = {i + 1 for i, a in enumerate(argv) if a in ("--package", "-p", "--experimental-rerun")}
-    overrides = [
-        a
-        for i, a in enumerate(argv)
-        if i not in valued and not a.startswith("-") and not a.lstrip("+~").startswith("hydra")
-    ]
-    multirun = any(a in ("-m", "--multirun") for a in argv)
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        choices = [
-            [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
-            if multirun and o.is_sweep_override()
-            else [o.input_line]
-            for o in parsed
-        ]
-        jobs = list(itertools.product(*choices))
-        with initialize_config_module("tileinfer.conf", version_base="1.3"):
-            for job in jobs:
-                load(compose(config_name, list(job)))
-    except UserError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(USAGE_ERROR)
-    except Exception as e:  # noqa: BLE001 - Hydra's parse/composition/type errors, in one line
-        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        sys.exit(USAGE_ERROR)
-    return len(jobs)
-
-
-def _one_line(e: Exception) -> str:
-    """A Hydra error in one line: its first line, the cause's first line (the type error behind
-    "Error merging override"), and the options of a missing config group option."""
-    first = lambda x: next((ln.strip() for ln in str(x).splitlines() if ln.strip()), type(x).__name__)  # noqa: E731
-    parts = [first(e)]
-    if e.__cause__ is not None:
-        parts.append(first(e.__cause__))
-    if getattr(e, "options", None):
-        parts.append(f"available: {', '.join(e.options)}")
-    return ": ".join(parts)
 
 
 def load(cfg: DictConfig) -> Config:
@@ -446,11 +318,15 @@ def load(cfg: DictConfig) -> Config:
 
 
 def register() -> None:
-    """Register the schema with Hydra (conf/config.yaml lists ``schema`` first in its defaults), and
-    the ``${pid:}`` resolver: log folders carry the process id, so two commands started in the same
+    """Register the schema with Hydra (conf/config.yaml lists ``schema`` first in its defaults), each
+    evaluation's settings as ``eval/NAME_schema`` (its conf/eval file lists that first), and the
+    ``${gpu_slots:}`` and ``${pid:}`` resolvers: log folders carry the process id, so two commands started in the same
     second never share a folder (and a multirun's summary never mixes another run's jobs). Its value
     is cached in the configuration, which Hydra's launchers hand to their worker processes: a worker
     resolves the sweep folder with the command's pid, not its own."""
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
+    for name, evaluation in EVALUATIONS.items():
+        cs.store(group="eval", name=f"{name}_schema", node=evaluation.Settings)
     OmegaConf.register_new_resolver("pid", os.getpid, replace=True, use_cache=True)
+    OmegaConf.register_new_resolver("gpu_slots", gpu_slots.slot_count, replace=True)  # conf/hydra/launcher/gpus.yaml

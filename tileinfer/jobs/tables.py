@@ -1,32 +1,18 @@
-"""Result tables: one Polars row per (model, quant, ctx, prompt set, backend), written atomically.
-
-A row file ``rows/.../NAME.parquet`` holds the row; ``NAME.positions.parquet`` beside it holds the
-per-position KL divergence, top-1 agreement, Δp and next-token log-probabilities along the scored
-window, and the window or prompt (``group``) of each position (for plots, paired differences and
-intervals). A summary gathers every row under a folder into one table, printed and saved as Parquet
-and Markdown.
-"""
+"""Result tables as people read them: rows (tileinfer.jobs.rows) printed to fit a terminal, and a
+summary of many rows saved as Parquet and Markdown."""
 
 from __future__ import annotations
 
-import io
-import math
 import os
-import platform
-import statistics
-import subprocess
-import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import polars as pl
-import torch
 
-from evals.intervals import row_intervals
-from evals.metrics import DEGENERATE_REPEAT, repeated_ngram_fraction, summarize
+from evals.metrics import DEGENERATE_REPEAT
+from evals.verdicts import tie_margin
 from tileinfer.core import files
-from tileinfer.jobs.identity import ADDED, IDENTITY, RENAMED
-from tileinfer.jobs.schema import tie_margin
+from tileinfer.jobs.rows import atomic_parquet
+from tileinfer.jobs.schema import PROPOSERS
 
 # Columns shown when a table is printed (all columns are saved).
 SHOWN = [
@@ -52,217 +38,6 @@ SHOWN = [
     "spec_speedup",
     "spec_exact",
 ]
-# Per-position values saved beside a row (write_row), with each position's window or prompt (``group``).
-POSITION_COLUMNS = ("kl", "top1_agree", "dp", "logp_base", "logp_cand")
-REPO = Path(__file__).resolve().parents[2]  # the checkout (site-packages when installed: commit unknown)
-
-
-def git_commit() -> str:
-    """Short commit of the code that ran, ``-dirty`` when it had uncommitted changes."""
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-        ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
-
-
-def speed_columns(rep_tok_s: list[float]) -> dict:
-    """A row's decode speed from the tok/s of its timed repetitions (of every prompt that timed
-    some): ``decode_tok_s`` their median, ``decode_ms_per_tok`` its inverse, ``decode_tok_s_min`` /
-    ``decode_tok_s_max`` the spread and ``decode_reps`` how many; NaN speeds without any."""
-    if not rep_tok_s:
-        nan = float("nan")
-        return dict(decode_tok_s=nan, decode_ms_per_tok=nan, decode_tok_s_min=nan, decode_tok_s_max=nan, decode_reps=0)
-    median = statistics.median(rep_tok_s)
-    return dict(
-        decode_tok_s=median,
-        decode_ms_per_tok=1e3 / median,
-        decode_tok_s_min=min(rep_tok_s),
-        decode_tok_s_max=max(rep_tok_s),
-        decode_reps=len(rep_tok_s),
-    )
-
-
-def make_row(
-    key: dict,
-    results: list[tuple[dict, dict]],
-    *,
-    device: torch.device,
-    weights_bytes: int,
-    kv_bytes: int,
-    wall_s: float,
-    kl_estimate: str,
-    fallbacks: list[str],
-    replies: list[list[int]],
-    extra: dict | None = None,
-    unit: str = "prompt",
-) -> dict:
-    """One table row from the :func:`tileinfer.jobs.drift.score` results of a prompt set's prompts.
-
-    Args:
-        key: the row's identity columns (tileinfer.jobs.identity).
-        results: (summary, per-position arrays) per prompt.
-        device: where the candidate ran (peak memory is read on CUDA).
-        weights_bytes, kv_bytes: bytes of the candidate's weights and of its KV cache at the job's length.
-        wall_s: seconds the prompt set took.
-        kl_estimate: ``exact``, or ``topkK+tail`` against stored base logits.
-        fallbacks: the ops that ran on another backend than asked (tileinfer.ops.fallbacks()).
-        replies: the scored reply (token ids) of each prompt: ``reply_repeat_frac`` is the share of
-            their tokens that complete a 4-gram seen earlier in the same reply
-            (:func:`evals.metrics.repeated_ngram_fraction`), and ``degenerate`` flags a window above
-            :data:`evals.metrics.DEGENERATE_REPEAT` (a reply stuck in a loop is trivially
-            predictable, so its KL understates the drift on real text).
-        extra: more columns, placed after the speeds (the speculative decoding columns, a corpus's
-            token count).
-        unit: what one result is, ``prompt`` or (a corpus) ``window``: the unit the intervals resample.
-
-    Statistics are taken over the positions of all prompts together, with their 95% intervals
-    (:func:`evals.intervals.row_intervals`); prefill speeds are means over the prompts that timed them, decode speeds
-    (:func:`speed_columns`) pool their timed repetitions.
-    """
-    per_pos = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}
-    stats = summarize(per_pos) if len(results) > 1 else dict(results[0][0])
-    if len(results) > 1:
-        stats["greedy_agree_len"] = sum(r[0]["greedy_agree_len"] for r in results) / len(results)
-        stats["n_scored"] = sum(r[0]["n_scored"] for r in results)
-        for k in ("prefill_ms", "prefill_tok_s"):
-            timed = [r[0][k] for r in results if math.isfinite(r[0][k])]  # a corpus decodes after one window
-            stats[k] = sum(timed) / len(timed) if timed else float("nan")
-    stats.pop("decode_rep_tok_s", None)  # one prompt's summary: condensed with the others' below
-    stats |= speed_columns([v for r in results for v in r[0]["decode_rep_tok_s"]])
-    stats |= row_intervals(per_pos, position_groups(results), unit)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    repeat = sum(repeated_ngram_fraction(r) * len(r) for r in replies) / max(1, sum(map(len, replies)))
-    return {
-        **key,
-        "n_prompts": len(results),
-        **stats,
-        **(extra or {}),
-        "reply_repeat_frac": repeat,
-        "degenerate": repeat > DEGENERATE_REPEAT,
-        "weights_bytes": weights_bytes,
-        "kv_cache_bytes": kv_bytes,
-        "peak_mem_bytes": peak,
-        "kl_estimate": kl_estimate,
-        "fallbacks": "; ".join(fallbacks),
-        "torch": torch.__version__,
-        "git_commit": git_commit(),
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "wall_s": wall_s,
-    }
-
-
-def position_groups(results: list[tuple[dict, dict]]) -> torch.Tensor:
-    """int64 [positions]: the index of the prompt or window (the result) each scored position belongs to."""
-    return torch.cat([torch.full((len(r[1]["kl"]),), i) for i, r in enumerate(results)])
-
-
-def upgrade(df: pl.DataFrame) -> pl.DataFrame:
-    """Rows written under older column names, renamed to today's (tileinfer.jobs.identity.RENAMED),
-    with identity columns added since (:data:`tileinfer.jobs.identity.ADDED`) at their old meaning."""
-    df = df.rename({old: new for old, new in RENAMED.items() if old in df.columns and new not in df.columns})
-    return df.with_columns(pl.lit(v).alias(c) for c, v in ADDED.items() if c not in df.columns)
-
-
-def atomic_parquet(df: pl.DataFrame, path: Path) -> None:
-    """Write ``df`` to ``path`` atomically; an OS failure (full disk, read-only) is a one-line UserError.
-
-    The table is serialized in memory first: polars' own file writer reports a full disk as a
-    parquet format error ("Invalid thrift") and leaves its partial file behind.
-    """
-    buf = io.BytesIO()
-    df.write_parquet(buf)
-    files.write_bytes(path, buf.getvalue())
-
-
-def write_row(path: Path, row: dict, per_position: dict[str, torch.Tensor]) -> None:
-    """Write the per-position table, then the row (the row's presence marks the job done); when the
-    row cannot be written, the per-position table is removed again (no orphan beside no row)."""
-    pos = pl.DataFrame(
-        {"position": list(range(len(per_position["kl"])))} | {k: v.cpu().numpy() for k, v in per_position.items()}
-    )
-    pos_path = path.with_suffix(".positions.parquet")
-    atomic_parquet(pos, pos_path)
-    try:
-        atomic_parquet(pl.DataFrame([row]), path)
-    except BaseException:
-        pos_path.unlink(missing_ok=True)
-        raise
-
-
-def is_complete_row(path: Path) -> bool:
-    """Whether ``path`` holds a finished row (a missing, empty or damaged file does not)."""
-    try:
-        return not pl.read_parquet(path).is_empty()
-    except Exception:  # noqa: BLE001 - any unreadable file is not a finished row
-        return False
-
-
-def row_files(runs_dir: Path) -> list[Path]:
-    """The row files under ``runs_dir`` (any depth): Parquet files but positions, summaries and temporaries."""
-    return sorted(
-        p
-        for p in Path(runs_dir).rglob("*.parquet")
-        if not p.name.endswith(".positions.parquet") and not p.name.startswith((".", "summary"))
-    )
-
-
-def read_row_files(files) -> list[pl.DataFrame]:
-    """Each readable file as a frame with its path in a column ``row_file``; an unreadable one (damaged,
-    not Parquet) is skipped with a warning on stderr rather than hiding every other row."""
-    frames = []
-    for f in files:
-        try:
-            frames.append(upgrade(pl.read_parquet(f)).with_columns(row_file=pl.lit(str(f))))
-        except Exception as e:  # noqa: BLE001 - whatever is wrong with one file
-            print(f"warning: skipped {f} ({type(e).__name__})", file=sys.stderr)
-    return frames
-
-
-def collect(runs_dir: Path) -> pl.DataFrame:
-    """Every row under ``runs_dir`` (any depth) as one table; empty table when there are none."""
-    frames = read_row_files(row_files(runs_dir))
-    if not frames:
-        return pl.DataFrame()
-    return pl.concat(frames, how="diagonal_relaxed").drop("row_file")
-
-
-def sweep_rows(runs_dir: Path) -> tuple[pl.DataFrame, Path, int]:
-    """The sweep rows of a runs folder, for summaries and reports.
-
-    Only the rows under ``runs_dir/rows`` (or ``runs_dir`` itself when it is such a ``rows`` folder)
-    are read: the gate scores afresh into folders of its own (``runs/gate/*/rows``), whose rows
-    would repeat the sweep's. Rows of one identity (tileinfer.jobs.identity.IDENTITY, over the
-    columns present) are kept once, the newest ``finished_at``.
-
-    Returns:
-        The rows (each with its file in a column ``row_file``; empty when there are none), the
-        folder read and how many duplicate rows were dropped.
-    """
-    runs_dir = Path(runs_dir)
-    rows_dir = runs_dir if runs_dir.name == "rows" and not (runs_dir / "rows").is_dir() else runs_dir / "rows"
-    frames = read_row_files(row_files(rows_dir)) if rows_dir.is_dir() else []
-    if not frames:
-        return pl.DataFrame(), rows_dir, 0
-    df = pl.concat(frames, how="diagonal_relaxed")
-    key = [c for c in IDENTITY if c in df.columns]
-    if not key:  # no row of a sweep: nothing to match duplicates on
-        return df, rows_dir, 0
-    if "finished_at" in df.columns:
-        df = df.sort("finished_at", nulls_last=False)
-    newest = df.unique(subset=key, keep="last", maintain_order=True)
-    return newest, rows_dir, len(df) - len(newest)
 
 
 def _fmt(df: pl.DataFrame, shown=SHOWN) -> pl.DataFrame:
@@ -360,7 +135,7 @@ def print_table(df: pl.DataFrame, where=None) -> None:
     for ``spec``, ``spec_k``, ``acc_len`` (mean acceptance length), ``speedup`` (over the plain decode
     speed shown) and ``exact`` (``yes``: the greedy speculative reply is the plain one; ``tie@N``: it
     first differs at step N where the target's top two logits were within the near-tie margin of the
-    row's dtype (``schema.tie_margin``), rounding; ``NO@N``:
+    row's dtype (``evals.verdicts.tie_margin``), rounding; ``NO@N``:
     a wider margin, a bug, also named in a warning).
 
     Args:
@@ -373,7 +148,7 @@ def print_table(df: pl.DataFrame, where=None) -> None:
         head, table = _printed(df)
         note = degenerate_note(df)
     else:
-        order = ["none", "ngram", "draft", "dflash"]
+        order = list(PROPOSERS)
         df = df.with_columns(spec).sort(
             [c for c in ("model", "ctx_tokens", "ctx", "prompt_set", "quant") if c in df.columns]
             + [pl.col("spec").replace_strict(order, list(range(len(order))), default=len(order)), "spec"]

@@ -1,64 +1,39 @@
-"""Drift of a candidate configuration against the BF16 base, with speed from the same pass.
+"""Drift passes: the base side of an item, and a candidate teacher-forced over it, timed in the same pass.
 
-Both configurations read the identical token stream: a prompt of ``ctx`` tokens followed by the
-base model's greedy reply. The candidate is run teacher-forced over the stream, so the logits
-at every reply position are comparable one to one with the base's (the method of llama.cpp's
-``--kl-divergence``, applied to a model-generated continuation as in TileInfer.jl's evaluation).
-The prompt prefill of that same pass is timed, then the sequence is cut back to ``ctx`` positions
-and decode steps are timed after them.
+The base pass prefills an item's prompt, takes its reply (the item's fixed tokens, or the greedy
+reply it decodes), then runs that reply teacher-forced for the float32 logits at every scored
+position. The candidate pass (:func:`score`) runs the same tokens teacher-forced and compares its
+logits with the base's position by position (:mod:`evals.metrics`); its prompt prefill is timed,
+then the sequence is cut back to the prompt and greedy decode steps (and, with a proposer, the
+same steps decoded speculatively) are timed after it. Every pass returns its results as a value.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from evals.base_logits import FullLogits
-from evals.metrics import MetricsAccumulator, greedy_agreement_length
-from tileinfer.core import files
+from evals.evaluation import Item, ScoredSet
+from evals.intervals import row_intervals
+from evals.metrics import (
+    DEGENERATE_REPEAT,
+    MetricsAccumulator,
+    greedy_agreement_length,
+    repeated_ngram_fraction,
+    summarize,
+)
 from tileinfer.core.errors import NonFiniteLogits
 from tileinfer.core.progress import progress_bar
 from tileinfer.engine.generation import SamplingParams
 from tileinfer.engine.proposers import Proposer
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.engine.snapshots import Restored, Snapshots
 from tileinfer.engine.speculative import SpecReply, speculative_decode
-from tileinfer.jobs.resume import Restored, Snapshots
-
-
-@dataclass(frozen=True)
-class Stream:
-    """The shared token stream: ``tokens[:prompt_len]`` is the prompt, the rest the base reply."""
-
-    tokens: tuple[int, ...]
-    prompt_len: int
-
-    @property
-    def reply(self) -> tuple[int, ...]:
-        return self.tokens[self.prompt_len :]
-
-
-def load_stream(cache_file: Path, prompt: list[int], n_reply: int) -> Stream | None:
-    """The stream :func:`save_stream` left in ``cache_file`` for this prompt and reply length, or None
-    (no file, another prompt, or a damaged file: the reply is then generated again)."""
-    try:
-        saved = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(saved, dict) or saved.get("prompt") != list(prompt) or saved.get("n_reply") != n_reply:
-        return None
-    return Stream(tuple(saved["prompt"] + saved["reply"]), len(prompt))
-
-
-def save_stream(stream: Stream, n_reply: int, cache_file: Path) -> None:
-    """Save a stream atomically for :func:`load_stream` (once its logits proved finite)."""
-    prompt = list(stream.tokens[: stream.prompt_len])
-    files.write_text(cache_file, json.dumps({"prompt": prompt, "reply": list(stream.reply), "n_reply": n_reply}))
 
 
 def check_finite(logits: torch.Tensor) -> torch.Tensor:
@@ -73,14 +48,28 @@ def check_finite(logits: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class PassResult:
-    """Timings of one teacher-forced pass (seconds, from a synchronized host clock); ``prefill_s`` is
-    None when the prefill was resumed from a snapshot (not timed in one piece). ``decode_rep_s`` holds
-    the seconds of each timed repetition of the ``decode_steps`` plain decode steps, ``decoded`` their
-    greedy tokens (the first repetition's) and ``margins`` their top-1 minus top-2 logit (measured,
-    untimed, only for greedy speculation; else empty); ``spec`` the speculative run over the same
-    steps (None without a proposer)."""
+class SpecResult:
+    """A timed speculative run after the prompt: its reply (the same steps as the plain decode) and
+    wall time in seconds (synchronized host clock; the median of the repetitions when repeated)."""
 
+    reply: SpecReply
+    seconds: float
+
+
+@dataclass
+class PassResult:
+    """One candidate pass over an item.
+
+    ``per_position`` holds :func:`evals.metrics.position_metrics` (on the CPU) at every scored
+    position. Timings are seconds from a synchronized host clock: ``prefill_s`` is None when the
+    prefill was resumed from a snapshot (not timed in one piece); ``decode_rep_s`` holds each timed
+    repetition of the ``decode_steps`` plain greedy decode steps, ``decoded`` their tokens (the last
+    repetition's) and ``margins`` their top-1 minus top-2 logit (measured untimed, only for greedy
+    speculation; else empty); ``spec`` the speculative run over the same steps (None without a
+    proposer).
+    """
+
+    per_position: dict[str, torch.Tensor]
     prefill_s: float | None
     decode_rep_s: list[float]
     decode_steps: int
@@ -92,15 +81,6 @@ class PassResult:
     def decode_s(self) -> float:
         """Median seconds of one repetition of the timed decode steps."""
         return statistics.median(self.decode_rep_s)
-
-
-@dataclass
-class SpecResult:
-    """A timed speculative run after the prompt: its reply (the same steps as the plain decode) and
-    wall time in seconds (synchronized host clock; the median of the repetitions when repeated)."""
-
-    reply: SpecReply
-    seconds: float
 
 
 @dataclass
@@ -163,32 +143,32 @@ def prefill(
     return state, resumed
 
 
-def base_pass(
-    runner: ModelRunner, prompt: list[int], n_reply: int, stop_ids, snaps: Snapshots, reply: list[int] | None = None
-) -> FullLogits:
-    """The base side of a prompt in one pass: the prompt is prefilled once, the greedy reply of at
-    most ``n_reply`` tokens (ending at a stop id) is decoded after it (unless ``reply`` is given,
-    e.g. from the stream cache), then the sequence is cut back to the prompt and the reply is run
-    teacher-forced, exactly as :func:`teacher_forced` runs a candidate, for the float32 logits
-    [len(reply), vocab] at every scored position (on the CPU). Resumable (:mod:`resume`).
+def base_pass(runner: ModelRunner, item: Item, stop_ids, snaps: Snapshots) -> FullLogits:
+    """The base side of ``item`` in one pass: its prompt is prefilled once, its reply is the item's
+    fixed tokens or the greedy reply of at most ``item.n_reply`` tokens decoded after the prompt
+    (ending at a stop id, which is kept), then the sequence is cut back to the prompt and the reply
+    is run teacher-forced, exactly as :func:`score` runs a candidate, for the float32 logits
+    [len(reply), vocab] at every scored position (on the CPU). Resumable (:mod:`tileinfer.engine.snapshots`).
 
     Raises:
         NonFiniteLogits: NaN or infinite logits anywhere.
         UserError: prompt plus reply exceed the runner's context.
     """
+    prompt = list(item.prompt)
     seq = runner.new_sequence()
     try:
-        runner.check_length(seq, len(prompt) + n_reply - 1)
+        runner.check_length(seq, len(prompt) + item.n_reply - 1)
         state, _ = prefill(runner, seq, prompt, snaps, "base prefill")
+        reply = list(item.reply) if item.reply is not None else None
         if reply is None:
-            reply = _greedy_reply(runner, seq, prompt, n_reply, stop_ids, snaps, state)
+            reply = _greedy_reply(runner, seq, prompt, item.n_reply, stop_ids, snaps, state)
         seq.truncate(len(prompt))
         logits = [state.first[None].cpu()]
         # the last reply token is never an input: nothing after it is scored
         for _, lg in runner.chunks(seq, reply[:-1], logits_from=len(prompt), progress="base score"):
             logits.append(check_finite(lg).cpu())
         snaps.clear()
-        return FullLogits(torch.tensor(prompt + list(reply)), len(prompt), torch.cat(logits))
+        return FullLogits(torch.tensor(prompt + reply), len(prompt), torch.cat(logits))
     finally:
         seq.release()
 
@@ -217,51 +197,49 @@ def _greedy_reply(runner, seq, prompt, n_reply, stop_ids, snaps: Snapshots, stat
         bar.close()
 
 
-def teacher_forced(
+def score(
     runner: ModelRunner,
-    stream,
+    base,
     decode_steps: int = 0,
-    timings: list | None = None,
+    repeats: int = 1,
     snaps: Snapshots | None = None,
     spec: Speculation | None = None,
-    repeats: int = 1,
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """Run ``stream`` through ``runner``; yield ``(i, logits)`` chunks of the scored positions.
+) -> PassResult:
+    """Run the candidate ``runner`` teacher-forced over the base's token stream and compare it with
+    the base at every scored position.
 
-    ``stream`` is anything with ``tokens`` (prompt then reply) and ``prompt_len``: a :class:`Stream`
-    or a stored base logits.
-
-    Row ``j`` of a chunk starting at ``i`` holds float32 logits [vocab] predicting reply token
-    ``i + j``. The prompt prefill is timed (resumed from ``snaps`` where a snapshot exists, and then
-    not timed); after the last chunk the sequence is cut back to the prompt and ``decode_steps``
-    greedy decode steps are timed, ``repeats`` times (cut back in between: one slow repetition, from a
-    clock ramp or a first-use compile, moves the median no more than a fast one). With ``spec``, the
-    same steps are decoded speculatively after the prompt, timed as often. The :class:`PassResult` is appended to
-    ``timings`` when the generator finishes. Ctrl-C while scoring leaves a snapshot of the prefilled
-    prompt.
+    ``base`` is an :class:`evals.base_logits.FullLogits` (exact KL) or a stored
+    :class:`evals.base_logits.TopKLogits` (top-k + tail KL estimate). The prompt prefill is timed
+    (resumed from ``snaps`` where a snapshot exists, and then not timed); after the scored chunks the
+    sequence is cut back to the prompt and ``decode_steps`` greedy decode steps are timed,
+    ``repeats`` times (cut back in between: one slow repetition, from a clock ramp or a first-use
+    compile, moves the median no more than a fast one). With ``spec`` the same steps are decoded
+    speculatively after the prompt, timed as often. Ctrl-C while scoring leaves a snapshot of the
+    prefilled prompt.
     """
     snaps = snaps or Snapshots(None)
+    acc = MetricsAccumulator()
     seq = runner.new_sequence()
     try:
-        tokens = [int(t) for t in stream.tokens]
-        prompt, reply = tokens[: stream.prompt_len], tokens[stream.prompt_len :]
+        tokens = [int(t) for t in base.tokens]
+        prompt, reply = tokens[: base.prompt_len], tokens[base.prompt_len :]
         runner.synchronize()
         t0 = time.perf_counter()
         state, resumed = prefill(runner, seq, prompt, snaps, "prefill", spec and spec.proposer)
         runner.synchronize()
         prefill_s = None if resumed else time.perf_counter() - t0
-        yield 0, state.first[None]
+        acc.extend(base.position_metrics(0, state.first[None]))
         try:
             # the last reply token is never an input: nothing after it is scored
-            for pos, logits in runner.chunks(seq, reply[:-1], logits_from=stream.prompt_len, progress="score"):
-                yield pos - stream.prompt_len + 1, check_finite(logits)
+            for pos, logits in runner.chunks(seq, reply[:-1], logits_from=base.prompt_len, progress="score"):
+                acc.extend(base.position_metrics(pos - base.prompt_len + 1, check_finite(logits)))
         except KeyboardInterrupt:
             if not resumed:
                 snaps.save(runner, seq, prompt, state.first, state.first)
             raise
         rep_s, decoded = [], []
         for _ in range(repeats if decode_steps else 0):
-            seq.truncate(stream.prompt_len)
+            seq.truncate(base.prompt_len)
             token, decoded = reply[0], []
             runner.synchronize()
             t0 = time.perf_counter()
@@ -270,18 +248,17 @@ def teacher_forced(
                 decoded.append(token)
             runner.synchronize()
             rep_s.append(time.perf_counter() - t0)
-        result = PassResult(prefill_s, rep_s or [0.0], decode_steps, decoded, [])
+        result = PassResult(acc.per_position(), prefill_s, rep_s or [0.0], decode_steps, decoded, [])
         if spec is not None:
             if spec.sampling.temperature == 0:  # margins where a speculative reply may part: untimed, same steps
-                seq.truncate(stream.prompt_len)
+                seq.truncate(base.prompt_len)
                 result.margins = top2_margins(runner, seq, [reply[0], *decoded[:-1]])
             runs = []
             for _ in range(repeats):
-                seq.truncate(stream.prompt_len)
+                seq.truncate(base.prompt_len)
                 runs.append(spec.run(runner, seq, prompt + reply[:1], decode_steps))
             result.spec = SpecResult(runs[0].reply, statistics.median(r.seconds for r in runs))
-        if timings is not None:
-            timings.append(result)
+        return result
     finally:
         seq.release()
 
@@ -291,12 +268,6 @@ def top2_margins(runner: ModelRunner, seq, tokens: list[int]) -> list[float]:
     top-2 logit of every step."""
     top2 = torch.stack([runner.decode(seq, t) for t in tokens]).topk(2, dim=-1).values if tokens else None
     return [] if top2 is None else (top2[:, 0] - top2[:, 1]).tolist()
-
-
-def full_logits(runner: ModelRunner, stream: Stream) -> FullLogits:
-    """The base's float32 logits [len(reply), vocab] (on the CPU) at every scored position."""
-    logits = torch.cat([lg.cpu() for _, lg in teacher_forced(runner, stream)])
-    return FullLogits(torch.tensor(stream.tokens), stream.prompt_len, logits)
 
 
 def warm_up(runner: ModelRunner, stream, spec: Speculation | None = None) -> None:
@@ -323,43 +294,68 @@ def warm_up(runner: ModelRunner, stream, spec: Speculation | None = None) -> Non
         seq.release()
 
 
-def score(
-    runner: ModelRunner,
-    base,
-    decode_steps: int,
-    snaps: Snapshots | None = None,
-    spec: Speculation | None = None,
-    passes: list | None = None,
-    repeats: int = 1,
-) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Compare ``runner`` with a base on the base's token stream; return metrics and speed.
+# Per-position values saved beside a row, with each position's item (``group``).
+POSITION_COLUMNS = ("kl", "top1_agree", "dp", "logp_base", "logp_cand")
 
-    ``base`` is an :class:`evals.base_logits.FullLogits` (exact KL) or a stored
-    :class:`evals.base_logits.TopKLogits` (top-k + tail KL estimate).
 
-    Returns (summary, per_position): the :func:`evals.metrics.summarize` statistics plus
-    ``greedy_agree_len`` (tokens), ``n_scored``, ``prefill_ms``, ``prefill_tok_s`` and
-    ``decode_rep_tok_s`` (tok/s of each of the ``repeats`` timed repetitions of the decode steps;
-    from a synchronized host clock on ``runner``'s device; :func:`tileinfer.jobs.tables.speed_columns` condenses them);
-    and the per-position arrays of :func:`evals.metrics.position_metrics` [n_scored].
-    With ``spec`` the timed decode steps are also run speculatively (:func:`teacher_forced`); the
-    pass's :class:`PassResult` is appended to ``passes`` when given.
-    """
-    acc, timings = MetricsAccumulator(), []
-    for i, logits in teacher_forced(runner, base, decode_steps, timings, snaps, spec, repeats):
-        acc.extend(base.position_metrics(i, logits))
-    per_pos = acc.per_position()
-    t = timings[0]
-    if passes is not None:
-        passes.append(t)
-    out = acc.summary()
-    out.update(
-        # against the base's own teacher-forced argmax, not the stream: the stream came from
-        # decode steps, whose rounding can flip a near-tie the prefill path resolves the other way
-        greedy_agree_len=greedy_agreement_length(per_pos["argmax_cand"], per_pos["argmax_base"]),
-        n_scored=len(base.tokens) - base.prompt_len,
-        prefill_ms=float("nan") if t.prefill_s is None else 1e3 * t.prefill_s,
-        prefill_tok_s=float("nan") if t.prefill_s is None else base.prompt_len / t.prefill_s,
-        decode_rep_tok_s=[t.decode_steps / s for s in t.decode_rep_s] if t.decode_steps else [],
+def speed_columns(rep_tok_s: list[float]) -> dict:
+    """Decode speed from the tok/s of timed repetitions: ``decode_tok_s`` their median,
+    ``decode_ms_per_tok`` its inverse, ``decode_tok_s_min`` / ``decode_tok_s_max`` the spread and
+    ``decode_reps`` how many; NaN speeds without any."""
+    if not rep_tok_s:
+        nan = float("nan")
+        return dict(decode_tok_s=nan, decode_ms_per_tok=nan, decode_tok_s_min=nan, decode_tok_s_max=nan, decode_reps=0)
+    median = statistics.median(rep_tok_s)
+    return dict(
+        decode_tok_s=median,
+        decode_ms_per_tok=1e3 / median,
+        decode_tok_s_min=min(rep_tok_s),
+        decode_tok_s_max=max(rep_tok_s),
+        decode_reps=len(rep_tok_s),
     )
-    return out, per_pos
+
+
+def _mean_finite(values: list[float]) -> float:
+    timed = [v for v in values if math.isfinite(v)]
+    return sum(timed) / len(timed) if timed else float("nan")
+
+
+def set_statistics(scored: ScoredSet, passes: list[PassResult], replies: list[list[int]]) -> tuple[dict, dict]:
+    """The statistics of a scored set from the candidate passes over its items, and its per-position table.
+
+    Args:
+        scored: the scored set (its items, unit and extra columns).
+        passes: one :class:`PassResult` per item, in order.
+        replies: the scored tokens of each item: ``reply_repeat_frac`` is the share of them that
+            complete a 4-gram seen earlier in the same reply (:func:`evals.metrics.repeated_ngram_fraction`),
+            and ``degenerate`` flags a set above :data:`evals.metrics.DEGENERATE_REPEAT` (a reply
+            stuck in a loop is trivially predictable, so its KL understates the drift on real text).
+
+    Returns:
+        The statistics over the positions of all items together (:func:`evals.metrics.summarize`) with
+        their 95% intervals resampling whole items (:func:`evals.intervals.row_intervals`);
+        ``greedy_agree_len`` the mean over items, ``n_scored`` the positions, prefill speeds the means
+        over the items that timed them, decode speeds (:func:`speed_columns`) pooling every timed
+        repetition, the scored set's own columns and the reply's repetition. And the per-position
+        table: :data:`POSITION_COLUMNS` plus each position's item (``group``).
+    """
+    per_pos = {k: torch.cat([p.per_position[k] for p in passes]) for k in passes[0].per_position}
+    group = torch.cat([torch.full((len(p.per_position["kl"]),), i) for i, p in enumerate(passes)])
+    agree = [greedy_agreement_length(p.per_position["argmax_cand"], p.per_position["argmax_base"]) for p in passes]
+    prefill_s = [math.nan if p.prefill_s is None else p.prefill_s for p in passes]
+    reps = [p.decode_steps / s for p in passes if p.decode_steps for s in p.decode_rep_s]
+    repeat = sum(repeated_ngram_fraction(r) * len(r) for r in replies) / max(1, sum(map(len, replies)))
+    stats = {
+        "n_prompts": len(passes),
+        **summarize(per_pos),
+        "greedy_agree_len": sum(agree) / len(agree),
+        "n_scored": len(group),
+        "prefill_ms": _mean_finite([1e3 * s for s in prefill_s]),
+        "prefill_tok_s": _mean_finite([len(i.prompt) / s for i, s in zip(scored.items, prefill_s, strict=True)]),
+        **speed_columns(reps),
+        **row_intervals(per_pos, group, scored.unit),
+        **scored.columns,
+        "reply_repeat_frac": repeat,
+        "degenerate": repeat > DEGENERATE_REPEAT,
+    }
+    return stats, {k: per_pos[k] for k in POSITION_COLUMNS} | {"group": group}

@@ -1,7 +1,7 @@
-"""Speculative decoding in a job: the proposer a ``spec`` config names, and the row columns of a run.
+"""Speculative decoding statistics of a scored set: the row columns of its speculative runs.
 
-A job with ``spec`` other than ``none`` times, after each prompt, the plain greedy decode steps and
-then the same steps decoded speculatively (tileinfer.jobs.drift.teacher_forced), so the speed-up is
+A job with ``spec`` other than ``none`` times, after each timed item, the plain greedy decode steps
+and then the same steps decoded speculatively (:func:`evals.drift.score`), so the speed-up is
 measured in one process on one cache. With greedy verification the speculative tokens must equal
 the plain ones; a mismatch is recorded with the target's top-1/top-2 logit margin at that step
 (a near-tie is rounding between the verify and the decode path; a wide margin is a bug).
@@ -11,14 +11,8 @@ Column names follow vLLM's and DFlash's (drafts, acceptance rate, mean acceptanc
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
-from tileinfer.core.errors import UserError
-from tileinfer.engine.dflash import load_dflash
-from tileinfer.engine.generation import SamplingParams
-from tileinfer.engine.proposers import DraftModelProposer, NgramProposer, check_same_vocab
-from tileinfer.engine.runner import ModelRunner
-from tileinfer.jobs.drift import PassResult, Speculation
+from evals.drift import PassResult
 
 # Columns every row carries (null without speculation), in table order.
 COLUMNS = (
@@ -38,33 +32,6 @@ COLUMNS = (
     "spec_first_mismatch",
     "spec_mismatch_margin",
 )
-
-
-def speculation(spec, target: ModelRunner, target_tokenizer, draft=None) -> Speculation | None:
-    """The :class:`Speculation` of a ``spec`` config group (tileinfer.jobs.schema.SpecGroup) on the
-    ``target`` runner, or None for ``spec=none``.
-
-    ``draft`` is ``(tokenizer, runner)`` of the draft model for ``spec=draft`` (loaded by the job).
-
-    Raises:
-        UserError: a draft model with another tokenizer, a DFlash drafter that cannot be loaded or
-            does not fit the target.
-    """
-    sampling = SamplingParams(spec.temperature, seed=spec.seed)
-    if spec.name == "none":
-        return None
-    if spec.name == "ngram":
-        proposer = NgramProposer(spec.min_n, spec.max_n)
-    elif spec.name == "draft":
-        tok, runner = draft
-        check_same_vocab(target_tokenizer, tok, runner.model.config.vocab_size, target.model.config.vocab_size)
-        proposer = DraftModelProposer(runner)
-    else:
-        proposer = load_dflash(spec.dflash, target.model, target.ops)
-        block = proposer.drafter.config.block_size
-        if spec.k >= block:
-            raise UserError(f"spec.k={spec.k}: the DFlash drafter drafts at most {block - 1} tokens (block of {block})")
-    return Speculation(proposer, spec.k, sampling)
 
 
 def pass_columns(t: PassResult, greedy: bool) -> dict:
@@ -122,29 +89,3 @@ def columns(passes: list[dict] | None) -> dict:
         spec_first_mismatch=None if first is None else first["mismatch"],
         spec_mismatch_margin=None if first is None else first["margin"],
     )
-
-
-def identity_columns(spec, draft_sha: str | None) -> dict:
-    """The row identity columns of a ``spec`` config (tileinfer.jobs.identity.CONFIG): the proposer,
-    k, its other settings (:func:`settings_label`), the temperature and, when verification samples,
-    the seed; all None but ``spec`` for ``spec=none``."""
-    on = spec.name != "none"
-    return dict(
-        spec=spec.name,
-        spec_k=spec.k if on else None,
-        spec_settings=settings_label(spec, draft_sha),
-        spec_temperature=spec.temperature if on else None,
-        spec_seed=spec.seed if on and spec.temperature > 0 else None,
-    )
-
-
-def settings_label(spec, draft_sha: str | None) -> str | None:
-    """The identity column ``spec_settings``: every setting of the proposer that changes its drafts
-    (the draft checkpoint by hash, a DFlash drafter by path or repo), None for ``spec=none``."""
-    if spec.name == "none":
-        return None
-    if spec.name == "ngram":
-        return f"min_n={spec.min_n},max_n={spec.max_n}"
-    if spec.name == "draft":
-        return f"draft={spec.draft_model}@{(draft_sha or '')[:12]},quant={spec.draft_quant}"
-    return f"dflash={Path(spec.dflash).expanduser() if Path(spec.dflash).expanduser().exists() else spec.dflash}"
