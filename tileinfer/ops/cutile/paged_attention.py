@@ -325,7 +325,7 @@ def _int8_words(dtype: torch.dtype, T: int, rows: int, D: int) -> bool:
     """Whether decode over an INT8 cache takes :func:`decode_split_int8_kernel`: bf16 queries (the
     dtype it was measured and tested with; float32 would round to tf32), T = 1 with a GQA group of at
     most 16 heads (``rows``: the padded tile TP * GP <= 16), and head_dim 128. Outside these its sm_90
-    build spills (``python -m tileinfer.bench.aot --backend cutile --sass --filter decode_split``:
+    build spills (``python -m benchmarks.aot --backend cutile --sass --filter decode_split``:
     344-392 bytes of stack for head_dim 64, or for T > 1, whose size is then not a compile-time
     constant), and the mma path takes them."""
     return DECODE_INT8_WORDS and dtype == torch.bfloat16 and T == 1 and rows <= 16 and D == 128

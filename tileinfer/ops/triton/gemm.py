@@ -631,11 +631,11 @@ GEMM_TILES = {
 INT8_DEQUANT_ROWS = 512
 NUM_SMS = 132  # H200: the tile rule's wave size (the launch reads the device's own count)
 
-# Overrides for measuring alternatives (tileinfer.bench.ops --sweep); empty = the tables here.
+# Overrides for measuring alternatives (benchmarks.ops --sweep); empty = the tables here.
 _OVERRIDE: dict[str, tuple] = {}
 
 
-# Per-shape entries measured on the H200 (tileinfer.bench.ops --sweep), keyed like the sweep:
+# Per-shape entries measured on the H200 (benchmarks.ops --sweep), keyed like the sweep:
 # GEMV (weight rows, K), GEMM (M, N out, K). Shapes not listed use the rules above.
 SHAPE_TABLE: dict[str, dict] = {
     # At 1k tokens: Qwen3-4B qkv 128 x 128 tiles (the table's 128 x 256 leave a wave 73% full); 4B down
