@@ -121,9 +121,9 @@ def main(argv=None) -> int:
         f"{a.steps} steps.\n\n"
     )
     if a.sweep:
-        from tileinfer.ops import triton as ops
+        from tileinfer.ops import get_backend
 
-        srows = run_sweep(a.models.split(","), {"triton": ops}, ceil, "cuda", a.sweep_budget, a.sweep)
+        srows = run_sweep(a.models.split(","), {"triton": get_backend("triton")}, ceil, "cuda", a.sweep_budget, a.sweep)
         save(srows, a.out, "sweep", header)
         winners = sweep_winners(srows)
         for fam, w in winners.items():

@@ -31,7 +31,6 @@ import subprocess
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Callable, Sequence
 
 import torch
@@ -41,7 +40,7 @@ from tileinfer.core.config import ModelConfig
 from tileinfer.core.kv_cache import PagedKVCache
 from tileinfer.core.registry import model_config
 from tileinfer.models.transformer import Layer, Transformer
-from tileinfer.ops import Int8Weight
+from tileinfer.ops import Backend, Int8Weight
 
 BACKENDS = ("triton", "cutile")
 # (rows, logits of every row) of the steps the engine runs: decode (1 row); speculative verify (5,
@@ -57,10 +56,11 @@ PAGE_SIZE = 64
 
 @dataclass(frozen=True)
 class Call:
-    """Some op launches: ``run(ops)`` calls them through backend module ``ops`` on meta tensors."""
+    """Some op launches: ``run(ops)`` calls them through the :class:`~tileinfer.ops.Backend` ``ops`` on
+    meta tensors."""
 
     label: str
-    run: Callable[[ModuleType], object]
+    run: Callable[[Backend], object]
 
 
 def meta_model(c: ModelConfig, int8_weights: bool) -> Transformer:
@@ -147,7 +147,7 @@ def model_calls(names: Sequence[str], steps=STEPS) -> list[Call]:
     return calls
 
 
-def run_calls(calls: Sequence[Call], ops: ModuleType) -> list[dict]:
+def run_calls(calls: Sequence[Call], ops: Backend) -> list[dict]:
     """Run every call through ``ops``; one failure record (see :func:`compile_calls`) per call that
     raised, so that one bad shape does not hide the others."""
     failed = []

@@ -132,7 +132,9 @@ def variants(launches: Sequence[tuple]) -> list[KernelVariant]:
 def record(calls: Sequence[Call]) -> tuple[list[KernelVariant], list[dict]]:
     """The variants ``calls`` launch through the cuTile backend, and failure records of the calls
     that raised (see :func:`benchmarks.aot.run_calls`)."""
-    from tileinfer.ops import cutile as ops
+    from tileinfer.ops import get_backend
+
+    ops = get_backend("cutile")
 
     with _common.recording() as launches:
         failed = run_calls(calls, ops)

@@ -82,7 +82,9 @@ def compile_share(calls: Sequence[Call], arch: str, share: tuple[int, int], sass
     """Compile share ``(k, n)`` of the distinct kernels ``calls`` launch for ``arch`` ("sm_90");
     records as :func:`benchmarks.aot.compile_calls` describes (a kernel over the target's
     shared memory is a failure)."""
-    from tileinfer.ops import triton as ops
+    from tileinfer.ops import get_backend
+
+    ops = get_backend("triton")
 
     cap = int(arch.removeprefix("sm_"))
     with compiling(GPUTarget("cuda", cap, 32), share) as seen:
