@@ -1,6 +1,6 @@
 """Compare the rows of two runs folders, e.g. before and after a refactor that must not change numbers.
 
-    python benchmarks/compare_rows.py RUNS_BEFORE RUNS_AFTER
+    python -m benchmarks.compare_rows RUNS_BEFORE RUNS_AFTER
 
 Rows are matched on (model, quant, smooth_keys, ctx, prompt_set, backend); every column both have,
 except timings and provenance, must be equal bit for bit, and so must the per-position tables.

@@ -1,6 +1,6 @@
 """Whole-model decode with a kernel table as shipped and with alternatives, in one process (H200).
 
-    python benchmarks/decode_ab.py --models qwen3-8b-random --quants int8_both --contexts 1024,32768 \
+    python -m benchmarks.decode_ab --models qwen3-8b-random --quants int8_both --contexts 1024,32768 \
         --variant 'unit=tileinfer.ops.triton.gemm.GEMV1_INT8=[(4096, (4, 1024, 4, 1, 4)), (None, (16, 512, 4, 1, 4))]' \
         --out runs/bench-ab
 
@@ -25,9 +25,9 @@ from functools import partial
 
 import torch
 
+from benchmarks.decode import bench_model, contexts_arg, positive_int, refuse_unknown
+from benchmarks.ops import measure_ceilings, run_sweep, save, sweep_winners
 from quantize import NAMED
-from tileinfer.bench.decode import bench_model, contexts_arg, positive_int, refuse_unknown
-from tileinfer.bench.ops import measure_ceilings, run_sweep, save, sweep_winners
 
 
 def parse_variant(text: str) -> tuple[str, list[tuple[str, str, object]]]:
@@ -121,9 +121,9 @@ def main(argv=None) -> int:
         f"{a.steps} steps.\n\n"
     )
     if a.sweep:
-        from tileinfer.ops import triton as ops
+        from tileinfer.ops import get_backend
 
-        srows = run_sweep(a.models.split(","), {"triton": ops}, ceil, "cuda", a.sweep_budget, a.sweep)
+        srows = run_sweep(a.models.split(","), {"triton": get_backend("triton")}, ceil, "cuda", a.sweep_budget, a.sweep)
         save(srows, a.out, "sweep", header)
         winners = sweep_winners(srows)
         for fam, w in winners.items():

@@ -1,9 +1,9 @@
 """Where a decode step's time goes: each kernel's share of the replayed decode graph's timeline (GPU).
 
-    python benchmarks/decode_timeline.py --models qwen3-4b-random --quants bf16,int8_weights \
+    python -m benchmarks.decode_timeline --models qwen3-4b-random --quants bf16,int8_weights \
         --contexts 1024,32768 --steps 16 --out runs/timeline
 
-Builds the runners of ``python -m tileinfer.bench.decode`` (random weights, cache prefilled with
+Builds the runners of ``python -m benchmarks.decode`` (random weights, cache prefilled with
 ``ctx`` tokens), replays ``steps`` decode steps from the captured graph under ``torch.profiler``
 (CUPTI records each kernel of a graph), and attributes the timeline to kernels by their *exclusive*
 time: a kernel's end minus the previous kernel's end. Under programmatic dependent launch a kernel
@@ -25,8 +25,8 @@ import polars as pl
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tileinfer.bench.decode import contexts_arg, each_runner, positive_int
-from tileinfer.bench.ops import save
+from benchmarks.decode import contexts_arg, each_runner, positive_int
+from benchmarks.ops import save
 
 
 def kernels(prof) -> list[tuple[str, float, float]]:

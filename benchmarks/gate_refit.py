@@ -1,6 +1,6 @@
 """Measure the gate's kernel checks on planted faults over corpus windows (the data behind conf/gate.yaml's bounds).
 
-    OMP_NUM_THREADS=1 python benchmarks/gate_refit.py --windows 4 --out benchmarks/results/cpu-DATE-gate-refit.md
+    OMP_NUM_THREADS=1 python -m benchmarks.gate_refit --windows 4 --out benchmarks/results/cpu-DATE-gate-refit.md
 
 SmolLM2-135M (BF16) on the CPU, reference backend. For each setup of ``gate.bounds`` (bfloat16: BF16 KV
 cache against the BF16 base; bfloat16-int8kv: INT8 KV cache against the INT8-KV base) and each change
@@ -15,26 +15,23 @@ from __future__ import annotations
 
 import argparse
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.faults
-
-from evals import corpus  # noqa: E402
-from evals.intervals import row_intervals  # noqa: E402
-from evals.metrics import summarize  # noqa: E402
-from tests import faults  # noqa: E402
-from tileinfer import gate  # noqa: E402
-from tileinfer.core.checkpoint import load_checkpoint  # noqa: E402
-from tileinfer.core.fetch import pull  # noqa: E402
-from tileinfer.core.tokenizer import Tokenizer  # noqa: E402
-from tileinfer.engine.runner import ModelRunner  # noqa: E402
-from tileinfer.jobs import drift  # noqa: E402
-from tileinfer.models import Transformer  # noqa: E402
+from evals import corpus
+from evals.intervals import row_intervals
+from evals.metrics import summarize
+from tests import faults
+from tileinfer import gate
+from tileinfer.core.checkpoint import load_checkpoint
+from tileinfer.core.fetch import pull
+from tileinfer.core.tokenizer import Tokenizer
+from tileinfer.engine.runner import ModelRunner
+from tileinfer.jobs import drift
+from tileinfer.models import Transformer
 
 CTX = 1024
 # (setup, KV cache, change, ops): the bounds' two BF16 setups, harmless change first.
@@ -99,7 +96,7 @@ def main() -> None:
     head = [
         f"# Gate kernel checks on planted faults, corpus windows (CPU, {time.strftime('%Y-%m-%d')})",
         "",
-        f"Command: `OMP_NUM_THREADS=1 python benchmarks/gate_refit.py --windows {args.windows} --out {args.out}`",
+        f"Command: `OMP_NUM_THREADS=1 python -m benchmarks.gate_refit --windows {args.windows} --out {args.out}`",
         "",
         f"SmolLM2-135M (BF16, reference backend, {platform.machine()}, torch {torch.__version__}); built-in "
         f"corpora pydoc and stdlib, {args.windows} windows of {CTX} tokens each (second halves scored). "

@@ -16,10 +16,10 @@ step() { local t=$1; shift; n=$((n+1)); echo "== $* (limit ${t}s)"; timeout "$t"
 # installed (editable, no dependencies) so that conf/ is importable as tileinfer.conf (the model registry)
 python -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
 python -m tileinfer.pull smollm2-135m || exit 1
-step 30 python -m tileinfer.bench.aot --backend cutile --jobs 16
+step 30 python -m benchmarks.aot --backend cutile --jobs 16
 [ "${SKIP_TESTS:-0}" = 1 ] || step 300 python -m pytest -q -m gpu tests -p no:cacheprovider  # serially: parallel workers share the GPU and ran out of memory
-[ "${SKIP_BENCH:-0}" = 1 ] || step 130 python -m tileinfer.bench.ops --backends triton,cutile --precompile 16 --budget 90 --out $R/bench
-[ "${SKIP_PROFILE:-1}" = 1 ] || step 200 python -m tileinfer.bench.profile --backends triton,cutile,torch --out $R/profile --timeout 190
+[ "${SKIP_BENCH:-0}" = 1 ] || step 130 python -m benchmarks.ops --backends triton,cutile --precompile 16 --budget 90 --out $R/bench
+[ "${SKIP_PROFILE:-1}" = 1 ] || step 200 python -m benchmarks.profile --backends triton,cutile,torch --out $R/profile --timeout 190
 [ -n "${STREAMS:-}" ] && mkdir -p $R/runs && cp -r "$STREAMS" $R/runs/cache
 # each backend against the reference backend with the same quant config (the gate's kernel checks)
 S="-m backend=${BACKENDS:-triton,cutile} quant=${QUANTS:-bf16,int8_both} ctx=1k base.backend=reference base.quant=same eval.n_score=128 speed.decode_tokens=64 runs_dir=$R/runs"

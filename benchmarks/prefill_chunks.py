@@ -1,6 +1,6 @@
 """Whole-prompt prefill speed against the runner's chunk size (``prefill_chunk``), in one process (H200).
 
-    python benchmarks/prefill_chunks.py --models qwen3-4b-random,qwen3-8b-random --chunks 512,1024,2048 \
+    python -m benchmarks.prefill_chunks --models qwen3-4b-random,qwen3-8b-random --chunks 512,1024,2048 \
         --tokens 8192 --out runs/bench
 
 Random weights with the registered shapes; one sequence of ``--tokens`` prompt tokens prefilled
@@ -20,11 +20,11 @@ import sys
 import time
 
 import torch
-from decode_ab import parse_variant, patched, refuse_variant_names
 
+from benchmarks.decode import contexts_arg, positive_int, refuse_unknown
+from benchmarks.decode_ab import parse_variant, patched, refuse_variant_names
+from benchmarks.ops import save
 from quantize import NAMED, apply, named_scheme
-from tileinfer.bench.decode import contexts_arg, positive_int, refuse_unknown
-from tileinfer.bench.ops import save
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.registry import model_config, model_entry
 from tileinfer.engine.runner import ModelRunner

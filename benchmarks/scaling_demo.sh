@@ -30,5 +30,5 @@ for run in 1:${GPUS1:-0} 2:${GPUS2:-0,1}; do
   kill $smi $procs
   echo "n_jobs=$n TILEINFER_GPUS=$gpus exit=$rc wall_s=$(python -c "print(round($t1 - $t0, 1))")" | tee -a "$R/wall.txt"
 done
-python benchmarks/compare_rows.py "$R/n1" "$R/n2" > "$R/compare.txt" 2>&1; echo "compare exit $?" >> "$R/compare.txt"
+python -m benchmarks.compare_rows "$R/n1" "$R/n2" > "$R/compare.txt" 2>&1; echo "compare exit $?" >> "$R/compare.txt"
 tail -3 "$R/compare.txt"

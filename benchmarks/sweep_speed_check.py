@@ -1,9 +1,9 @@
 """Do the sweep's decode speeds agree with the decode benchmark's? (issue 12, item 5)
 
-    python benchmarks/sweep_speed_check.py BENCH_DECODE.parquet RUNS_DIR [--out FILE.md]
+    python -m benchmarks.sweep_speed_check BENCH_DECODE.parquet RUNS_DIR [--out FILE.md]
 
 Joins every sweep row of RUNS_DIR (tileinfer.jobs.tables.sweep_rows) with the row of
-``python -m tileinfer.bench.decode`` for the same model, quant, backend and context in the
+``python -m benchmarks.decode`` for the same model, quant, backend and context in the
 ``graph_greedy`` mode (the decode graph ending in the argmax, the host reading each token: how the
 sweep times its decode steps), and prints the ratio sweep / bench with the sweep's spread over its
 timed repetitions. A ratio outside [0.95, 1.05] is marked; exit status 1 when any is.
@@ -22,7 +22,7 @@ TOLERANCE = 0.05  # issue 12: a sweep row's decode tok/s within 5% of bench.deco
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("bench", type=Path, help="decode.parquet written by python -m tileinfer.bench.decode")
+    ap.add_argument("bench", type=Path, help="decode.parquet written by python -m benchmarks.decode")
     ap.add_argument("runs_dir", type=Path)
     ap.add_argument("--out", type=Path, help="also write the table as Markdown here")
     a = ap.parse_args(argv)

@@ -3,27 +3,17 @@ before any model is built or GPU time spent (CPU)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
-from pathlib import Path
 
 import pytest
 
-from tileinfer.bench import decode
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmarks import decode
 
 
 def _script(name: str):
-    """benchmarks/NAME.py as a module (its folder on sys.path: prefill_chunks imports decode_ab)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
+    """benchmarks/NAME.py as a module (``python -m benchmarks.NAME``)."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def test_contexts_take_token_counts_and_the_sweeps_k_names():
@@ -42,15 +32,15 @@ def test_bench_decode_refuses_bad_values_in_one_line(argv, capsys):
         decode.main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("python -m tileinfer.bench.decode: error:") and "Traceback" not in "".join(err)
+    assert err[-1].startswith("python -m benchmarks.decode: error:") and "Traceback" not in "".join(err)
 
 
 def test_variant_is_parsed_and_its_targets_checked():
     ab = _script("decode_ab")
-    name, sets = ab.parse_variant("v=tileinfer.bench.decode.MODES=('graph',);tileinfer.bench.ops.save=None")
+    name, sets = ab.parse_variant("v=benchmarks.decode.MODES=('graph',);benchmarks.ops.save=None")
     assert name == "v" and sets == [
-        ("tileinfer.bench.decode", "MODES", ("graph",)),
-        ("tileinfer.bench.ops", "save", None),
+        ("benchmarks.decode", "MODES", ("graph",)),
+        ("benchmarks.ops", "save", None),
     ]
 
 
@@ -58,11 +48,11 @@ def test_variant_is_parsed_and_its_targets_checked():
     "text, why",
     [
         ("bogus", "expected NAME"),
-        ("tileinfer.bench.decode.MODES=1", "expected NAME"),  # no name
-        ("v=tileinfer.bench.decode.MODES=", "is not MODULE.ATTR=LITERAL"),
-        ("v=tileinfer.bench.decode.MODES=1;", "is not MODULE.ATTR=LITERAL"),
-        ("v=tileinfer.bench.decode.MODES=graph", "not a Python literal"),
-        ("v=tileinfer.bench.decode.NOPE=1", "has no attribute NOPE"),
+        ("benchmarks.decode.MODES=1", "expected NAME"),  # no name
+        ("v=benchmarks.decode.MODES=", "is not MODULE.ATTR=LITERAL"),
+        ("v=benchmarks.decode.MODES=1;", "is not MODULE.ATTR=LITERAL"),
+        ("v=benchmarks.decode.MODES=graph", "not a Python literal"),
+        ("v=benchmarks.decode.NOPE=1", "has no attribute NOPE"),
         ("v=no_such_module.A=1", "cannot import no_such_module"),
     ],
 )
@@ -76,8 +66,8 @@ def test_variant_refuses_before_any_run(text, why):
 @pytest.mark.parametrize(
     "variants",
     [
-        ["shipped=tileinfer.bench.decode.MODES=()"],
-        ["a=tileinfer.bench.decode.MODES=()", "a=tileinfer.bench.decode.MODES=(1,)"],
+        ["shipped=benchmarks.decode.MODES=()"],
+        ["a=benchmarks.decode.MODES=()", "a=benchmarks.decode.MODES=(1,)"],
     ],
 )
 def test_variant_names_unique_and_not_the_baseline(script, variants, capsys, monkeypatch):

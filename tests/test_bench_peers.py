@@ -1,14 +1,14 @@
-"""The peers of ``python -m tileinfer.bench.peers`` compute this engine's model: logits on a tiny Qwen3
+"""The peers of ``python -m benchmarks.peers`` compute this engine's model: logits on a tiny Qwen3
 (qwen3-0.6b's config shrunk) in float32 against the reference backend, nothing compiled."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.peers import gptfast, hf
+from benchmarks.peers.bench import add_ratios, main
 from quantize import QuantScheme, apply
 from tests.tiny_models import COMMON
-from tileinfer.bench.peers import gptfast, hf
-from tileinfer.bench.peers.bench import add_ratios, main
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.registry import model_entry

@@ -5,8 +5,8 @@ import io
 
 import pytest
 
-from tileinfer.bench.cases import model_cases
-from tileinfer.bench.profile import DEFAULT_CASES, parse, select
+from benchmarks.cases import model_cases
+from benchmarks.profile import DEFAULT_CASES, parse, select
 
 STALL = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
 COLS = {  # column -> unit (ncu's second row)

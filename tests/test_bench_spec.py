@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tileinfer.bench.spec import (
+from benchmarks.spec import (
     SMOKE,
     Plan,
     bench_model,
@@ -80,7 +80,7 @@ def test_cli_writes_the_table(tmp_path, capsys):
     assert main([*args, "--draft-model", "qwen3-0.6b-random", "--out", str(tmp_path)]) == 0
     (md,) = tmp_path.glob("cpu-*-spec-steps.md")
     (pq,) = tmp_path.glob("cpu-*-spec-steps.parquet")
-    assert md.stem == pq.stem and md.read_text().startswith("`python -m tileinfer.bench.spec --cpu-smoke")
+    assert md.stem == pq.stem and md.read_text().startswith("`python -m benchmarks.spec --cpu-smoke")
     import pyarrow.parquet as parquet
 
     rows = parquet.read_table(pq).to_pylist()

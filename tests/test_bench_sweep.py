@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from tileinfer.bench.ops import output_error, sweep_families, sweep_winners
+from benchmarks.ops import output_error, sweep_families, sweep_winners
 
 
 def test_output_error_flags_non_finite_and_far_outputs_only():

@@ -3,7 +3,7 @@
 The variants come from running the model code on meta tensors with the backend's launches
 recorded, and each compiles with ``cuda.tile.compilation.export_kernel(..., gpu_code="sm_90",
 output_format="cubin")``, which needs the ``cuda-tile[tileiras]`` package but no GPU: the path of
-``python -m tileinfer.bench.aot --backend cutile`` (tileinfer/bench/aot). Compiles run in
+``python -m benchmarks.aot --backend cutile`` (benchmarks/aot). Compiles run in
 CUTILE_COMPILE_JOBS processes (default: one per core); tileiras runs as a subprocess, so they scale
 with the cores. Skipped where cuda.tile or tileiras is missing.
 """
@@ -17,8 +17,8 @@ import pytest
 
 ct = pytest.importorskip("cuda.tile")
 
-from tileinfer.bench import aot  # noqa: E402
-from tileinfer.bench.aot import cutile as aot_cutile  # noqa: E402
+from benchmarks import aot  # noqa: E402
+from benchmarks.aot import cutile as aot_cutile  # noqa: E402
 from tileinfer.core.registry import shaped_models  # noqa: E402
 
 

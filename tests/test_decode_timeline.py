@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "decode_timeline", Path(__file__).resolve().parents[1] / "benchmarks" / "decode_timeline.py"
-)
-decode_timeline = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(decode_timeline)
+from benchmarks import decode_timeline
 
 
 def test_positions_split_a_step_into_before_layers_after():

@@ -252,7 +252,7 @@ def test_benchmarks_refuse_unknown_names(capsys, module, argv, says):
     work, even without a GPU, not as a run of another preset or a traceback later."""
     import importlib
 
-    main = importlib.import_module(f"tileinfer.bench.{module}").main
+    main = importlib.import_module(f"benchmarks.{module}").main
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2

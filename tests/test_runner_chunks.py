@@ -83,13 +83,13 @@ def test_the_runners_context_defaults_to_the_models_and_may_not_exceed_it(tiny):
 
 
 def test_cuda_graphs_only_when_requested_on_cuda_with_a_capturable_backend(tiny):
-    """Decode steps replay CUDA graphs only when asked, on a CUDA device, with a backend module that
-    says it is capturable (``CUDA_GRAPHS = True``); the CPU runner never does, even when asked."""
+    """Decode steps replay CUDA graphs only when asked, on a CUDA device, with a backend that says
+    it is capturable (``Backend.cuda_graphs``); the CPU runner never does, even when asked."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    capturable, other = SimpleNamespace(CUDA_GRAPHS=True), SimpleNamespace()
+    capturable, other = SimpleNamespace(cuda_graphs=True), SimpleNamespace()
     assert uses_cuda_graph(True, cuda, capturable) is True
     assert not uses_cuda_graph(False, cuda, capturable)
     assert not uses_cuda_graph(True, cpu, capturable)
     assert not uses_cuda_graph(True, cuda, other)
-    assert not uses_cuda_graph(True, cuda, SimpleNamespace(CUDA_GRAPHS=False))
+    assert not uses_cuda_graph(True, cuda, SimpleNamespace(cuda_graphs=False))
     assert ModelRunner(tiny[0], cuda_graph=True, max_seq_len=80).cuda_graph is False

@@ -2,7 +2,7 @@
 
 The op tests of the Triton backend (in the interpreter on the CPU, compiled on the GPU) are the
 conformance suites in tests/ops/; this is the compile check beside them, as tests/test_cutile_compile.py
-is for cuTile. It runs ``python -m tileinfer.bench.aot --backend triton`` in a subprocess, since
+is for cuTile. It runs ``python -m benchmarks.aot --backend triton`` in a subprocess, since
 the interpreter flag that tests/conftest.py sets without a GPU must be off there.
 """
 
@@ -25,7 +25,7 @@ def test_every_kernel_compiles_for_sm90():
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
     p = subprocess.run(
-        [sys.executable, "-m", "tileinfer.bench.aot", "--backend", "triton"],
+        [sys.executable, "-m", "benchmarks.aot", "--backend", "triton"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -1,11 +1,11 @@
-"""``python -m tileinfer.bench.peers`` end to end on the GPU at a small shape: qwen3-0.6b-random, one
+"""``python -m benchmarks.peers`` end to end on the GPU at a small shape: qwen3-0.6b-random, one
 short context, every peer (torchao's row may say it was skipped), and the table saved."""
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tileinfer.bench.peers.bench import main
+from benchmarks.peers.bench import main
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

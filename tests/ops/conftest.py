@@ -17,7 +17,7 @@ when every suite passes with it; a new one joins by being added to :data:`TARGET
 
 Every test here starts with ``torch.empty`` poisoned (an output element no kernel wrote fails the
 comparison), with inputs from a seed of its own (:func:`seed_of`, fixed per test), and fails if an
-op fell back to the reference (:func:`tileinfer.ops.fallback`) unless it requests
+op of its target fell back to the reference (``Backend.fallbacks()``) unless it requests
 ``fallback_expected`` and checks them itself.
 """
 
@@ -26,12 +26,11 @@ from __future__ import annotations
 import os
 import zlib
 from dataclasses import dataclass
-from types import ModuleType
 
 import pytest
 import torch
 
-from tileinfer.ops import fallbacks, get_backend, reset_fallbacks
+from tileinfer.ops import Backend, get_backend
 
 ParameterSet = type(pytest.param())  # what pytest.param returns
 
@@ -42,15 +41,16 @@ TARGETS = (INTERPRET, *GPU_TARGETS)
 
 @dataclass(frozen=True)
 class Target:
-    """A backend under test: ``ops`` (the module), the device its tensors live on, and its name."""
+    """A backend under test: ``ops`` (a new Backend for each test), the device its tensors live on,
+    and its name."""
 
     name: str
-    ops: ModuleType
+    ops: Backend
     device: str
 
     @property
     def backend(self) -> str:
-        """The name it records fallbacks under (tileinfer.ops.fallback)."""
+        """The name it records fallbacks under (``Backend.name``)."""
         return "triton" if self.name == INTERPRET else self.name
 
 
@@ -158,13 +158,15 @@ def fresh_seed(request):
 
 @pytest.fixture
 def fallback_expected():
-    """Requested by a test that makes ops fall back on purpose (it checks ``fallbacks()`` itself)."""
+    """Requested by a test that makes ops fall back on purpose (it checks ``target.ops.fallbacks()``
+    itself)."""
 
 
 @pytest.fixture(autouse=True)
 def kernels_only(request):
-    """Fail a test in which an op quietly ran the reference instead of the backend's kernels."""
-    reset_fallbacks()
+    """Fail a test in which an op of its target quietly ran the reference instead of the kernels."""
+    watch = "target" in request.fixturenames and "fallback_expected" not in request.fixturenames
+    ops = request.getfixturevalue("target").ops if watch else None
     yield
-    if "fallback_expected" not in request.fixturenames:
-        assert fallbacks() == [], "ops fell back to the reference; the test measured torch for them"
+    if ops is not None:
+        assert ops.fallbacks() == [], "ops fell back to the reference; the test measured torch for them"

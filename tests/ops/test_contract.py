@@ -1,14 +1,16 @@
 """The backend contract (tileinfer.ops): every op of ``OPS`` present, and one fallback policy.
 
-``get_backend`` refuses a module that lacks an op. Each input outside a fast backend's kernels
-(the table below, one entry per fallback site and cause) returns exactly the reference op's result
-and records one "backend.op: reason" entry; the reference itself never records one on the same
-inputs; an input the reference rejects too is an error, not a fallback.
+``get_backend`` returns a new Backend each time and refuses a module that lacks an op. Each input
+outside a fast backend's kernels (the table below, one entry per fallback site and cause) returns
+exactly the reference op's result and records one "backend.op: reason" entry in that Backend; the
+reference itself never records one on the same inputs; an input the reference rejects too is an
+error, not a fallback.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import types
 
 import pytest
@@ -18,40 +20,40 @@ import tileinfer.ops as ops_pkg
 from tests.numerics import same_bits
 from tileinfer.core.errors import UserError
 from tileinfer.core.kv_cache import KVLayer, PagedKVCache
-from tileinfer.ops import OPS, Int8Weight, fallback, fallbacks, get_backend, reset_fallbacks
+from tileinfer.ops import OPS, Backend, Int8Weight, Unsupported, get_backend
 from tileinfer.ops import reference as R
 
 # ---------------------------------------------------------------------------- get_backend
 
 
-def test_get_backend_returns_a_module_with_every_op():
+def test_get_backend_returns_a_new_backend_with_every_op():
     for name in ops_pkg.BACKENDS:
         try:
-            module = get_backend(name)
+            backend = get_backend(name)
         except UserError:  # a toolchain this machine lacks (cuda.tile, triton)
             continue
-        assert all(callable(getattr(module, op)) for op in OPS), name
+        assert isinstance(backend, Backend) and backend.name == name
+        assert all(callable(getattr(backend, op)) for op in OPS), name
+        assert backend.cuda_graphs == (name != "reference")
+        assert backend.fallbacks() == []
+        other = get_backend(name)
+        assert other is not backend and other.workspace is not backend.workspace
 
 
-def test_get_backend_refuses_a_module_without_every_op(monkeypatch):
-    fake = types.ModuleType("tileinfer.ops.cutile")
+def test_a_module_without_every_op_is_refused():
+    fake = types.ModuleType("fake_backend")
     for op in OPS:
         setattr(fake, op, getattr(R, op))
     del fake.attention
-    fake.sample = "not a function"
-    monkeypatch.setattr(ops_pkg.importlib, "import_module", lambda name: fake)
-    with pytest.raises(NotImplementedError, match=r"'cutile'.* lacks the ops attention, sample"):
-        get_backend("cutile")
+    fake.argmax = "not a function"
+    with pytest.raises(NotImplementedError, match=r"'fake'.* lacks the ops attention, argmax"):
+        Backend("fake", fake, R)
 
 
 def test_get_backend_unknown_or_unavailable_is_a_user_error(monkeypatch):
     with pytest.raises(UserError, match="unknown backend"):
         get_backend("cuda")
-
-    def missing(name):
-        raise ImportError("no module named cuda.tile")
-
-    monkeypatch.setattr(ops_pkg.importlib, "import_module", missing)
+    monkeypatch.setitem(sys.modules, "tileinfer.ops.cutile", None)  # its import fails as without cuda.tile
     with pytest.raises(UserError, match="not available here"):
         get_backend("cutile")
 
@@ -59,18 +61,53 @@ def test_get_backend_unknown_or_unavailable_is_a_user_error(monkeypatch):
 # ---------------------------------------------------------------------------- the record
 
 
-def test_fallback_is_recorded_and_logged_once_per_entry(caplog, fallback_expected):
+def _refusing(**reasons) -> types.ModuleType:
+    """A backend module whose ops are the reference's, except that the ops named in ``reasons``
+    raise Unsupported(reason) (and take a ``tile`` keyword the reference does not have)."""
+    fake = types.ModuleType("fake_backend")
+    for op in OPS:
+        setattr(fake, op, getattr(R, op))
+    for op, reason in reasons.items():
+
+        def refuse(*args, tile=None, reason=reason):
+            raise Unsupported(reason)
+
+        setattr(fake, op, refuse)
+    return fake
+
+
+def test_a_fallback_runs_the_reference_and_is_recorded_and_logged_once_per_entry(caplog):
+    fake = _refusing(rms_norm="rows of 9000 > 8192 values", argmax="logits rows not contiguous")
+    backend = Backend("cutile", fake, R)
+    x, w = torch.randn(3, 16), torch.randn(16)
     with caplog.at_level(logging.WARNING, logger="tileinfer.ops"):
-        fallback("cutile", "rms_norm", "rows of 9000 > 8192 values")
-        fallback("cutile", "rms_norm", "rows of 9000 > 8192 values")
-        fallback("cutile", "attention", "page size 8 is not a power of two >= 16")
-    assert fallbacks() == [
-        "cutile.attention: page size 8 is not a power of two >= 16",
+        for _ in range(2):  # the op's own keyword is not passed on to the reference
+            assert torch.equal(backend.rms_norm(x, w, 1e-6, tile=(1, 2)), R.rms_norm(x, w, 1e-6))
+        assert torch.equal(backend.argmax(x), R.argmax(x))
+    assert backend.fallbacks() == [
+        "cutile.argmax: logits rows not contiguous",
         "cutile.rms_norm: rows of 9000 > 8192 values",
     ]
     assert [r.getMessage().count("cutile.rms_norm") for r in caplog.records] == [1, 0]
-    reset_fallbacks()
-    assert fallbacks() == []
+    # another instance keeps its own record, and logs its first entry again
+    other = Backend("cutile", fake, R)
+    assert other.fallbacks() == []
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tileinfer.ops"):
+        other.rms_norm(x, w, 1e-6)
+    assert other.fallbacks() == ["cutile.rms_norm: rows of 9000 > 8192 values"] and len(caplog.records) == 1
+    backend.reset_fallbacks()
+    assert backend.fallbacks() == [] and other.fallbacks() != []
+
+
+def test_the_transitional_module_record_answers_for_the_live_backends():
+    """tileinfer.ops.fallbacks()/reset_fallbacks() (kept for tileinfer/jobs/job.py until it reads
+    the runner's Backend) see the entries of every live Backend."""
+    backend = Backend("cutile", _refusing(argmax="logits rows not contiguous"), R)
+    backend.argmax(torch.randn(2, 5))
+    assert "cutile.argmax: logits rows not contiguous" in ops_pkg.fallbacks()
+    ops_pkg.reset_fallbacks()
+    assert backend.fallbacks() == []
 
 
 # ---------------------------------------------------------------------------- each fallback site
@@ -283,7 +320,7 @@ def test_fallback_returns_the_reference_result_and_records_why(target, case, fal
         if isinstance(a, KVLayer):
             assert _equal(a, b), "not the reference op's cache writes"
     expected = [] if target.name == "reference" else [f"{target.backend}.{op}: {reasons[target.backend]}"]
-    assert fallbacks() == expected
+    assert target.ops.fallbacks() == expected
 
 
 @pytest.mark.cases(targets=("reference", "triton-interpret", "triton", "cutile"), small=[()], model=[()])

@@ -3,8 +3,8 @@
 A step is one forward pass over some tokens of one sequence: a prefill chunk (many tokens) or a
 decode step (one token). Long prompts are prefilled in chunks of ``prefill_chunk`` tokens so the
 activations and attention scores of a step stay bounded whatever the prompt length (chunked prefill,
-as in vLLM and Sarathi-Serve). On a backend whose launch paths are capturable (``CUDA_GRAPHS`` set
-in its module), decode steps replay one captured CUDA graph, as vLLM and llama.cpp do, so decode
+as in vLLM and Sarathi-Serve). On a backend whose launch paths are capturable (its ``cuda_graphs``,
+:class:`tileinfer.ops.Backend`), decode steps replay one captured CUDA graph, as vLLM and llama.cpp do, so decode
 speed shows the kernels rather than Python's launch overhead.
 """
 
@@ -26,9 +26,9 @@ GRAPH_MAX_TOKENS = 16
 
 
 def uses_cuda_graph(requested: bool, device: torch.device, ops) -> bool:
-    """Whether decode replays a CUDA graph: requested, on CUDA, and the backend module ``ops`` is
-    capturable (``CUDA_GRAPHS = True``)."""
-    return bool(requested and device.type == "cuda" and getattr(ops, "CUDA_GRAPHS", False))
+    """Whether decode replays a CUDA graph: requested, on CUDA, and the backend ``ops`` is capturable
+    (its ``cuda_graphs``; an object of op functions without that attribute is not)."""
+    return bool(requested and device.type == "cuda" and getattr(ops, "cuda_graphs", False))
 
 
 class ModelRunner:
@@ -36,15 +36,16 @@ class ModelRunner:
 
     Args:
         model: the weights.
-        backend: ``reference``, ``triton`` or ``cutile``, or a module-like object with the op
-            functions (e.g. the reference ops with one op wrapped to record activations).
+        backend: ``reference``, ``triton`` or ``cutile`` (a new :class:`tileinfer.ops.Backend`, held
+            as ``self.ops``), a Backend, or an object with the op functions (e.g. the reference ops
+            with one op wrapped to record activations).
         kv_int8: keep the KV cache in INT8 (one float32 scale per cached vector).
         max_seq_len: positions the cache must hold for one sequence (default: the model's
             context); the page pool is sized for one sequence of that length.
         page_size: positions per KV page.
         prefill_chunk: most tokens per prefill step.
         cuda_graph: replay decode steps from a captured CUDA graph when the device is CUDA and the
-            backend is capturable (``CUDA_GRAPHS = True`` in its module); ignored otherwise.
+            backend is capturable (``Backend.cuda_graphs``); ignored otherwise.
             ``self.cuda_graph`` says whether it is in use.
 
     Raises:

@@ -9,13 +9,12 @@ sequence per call: the engine runs a single sequence, as TileInfer.jl does).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
 from tileinfer.core.kv_cache import KVLayer
 from tileinfer.ops import Int8Weight
+from tileinfer.ops.workspace import Workspace
 
 # ---------------------------------------------------------------------------- elementwise, norms
 
@@ -73,35 +72,19 @@ def swiglu(x: torch.Tensor, w_gate_up) -> torch.Tensor:
     return (F.silu(gate) * up).to(x.dtype)
 
 
-def lm_head(x: torch.Tensor, w) -> torch.Tensor:
+def lm_head(x: torch.Tensor, w, *, workspace: Workspace | None = None) -> torch.Tensor:
     """Logits in float32: x [T, hidden] @ w.T -> [T, vocab] float32, accumulated in float32.
 
     A BF16 product rounded to BF16 would quantise logits to ~0.1 and swamp the KL divergences this
     toolkit measures, so the float32 result of the product is kept. w: [vocab, hidden] (model dtype
-    or float32) or an :class:`Int8Weight`.
+    or float32) or an :class:`Int8Weight`. ``workspace`` keeps the float32 copy of the weight between
+    calls (:meth:`Workspace.float_copy`); without one the weight is converted on every call.
     """
     xf = x.float()
-    if isinstance(w, Int8Weight):
-        return F.linear(xf, _float_copy(w.q)) * w.scale
-    return F.linear(xf, _float_copy(w))
-
-
-_FLOAT_COPIES: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-
-
-def _float_copy(w: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of a weight, made once per weight tensor and kept while the weight lives.
-
-    The lm_head runs every decode step and converting a 150k-row vocabulary each time would take
-    most of the step (measured: 40 ms of 73 ms per SmolLM2 token on the CPU).
-    """
-    if w.dtype == torch.float32:
-        return w
-    hit = _FLOAT_COPIES.get(id(w))
-    if hit is None or hit[0]() is not w:
-        ref = weakref.ref(w, lambda _, key=id(w): _FLOAT_COPIES.pop(key, None))
-        hit = _FLOAT_COPIES[id(w)] = (ref, w.float())
-    return hit[1]
+    wq = w.q if isinstance(w, Int8Weight) else w
+    wf = workspace.float_copy(wq) if workspace is not None else wq.float()
+    y = F.linear(xf, wf)
+    return y * w.scale if isinstance(w, Int8Weight) else y
 
 
 # ---------------------------------------------------------------------------- RoPE + KV write

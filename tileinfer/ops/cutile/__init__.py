@@ -10,7 +10,7 @@ notes and measurements: benchmarks/cutile-NOTES.md at the top of the checkout.
 
 Importing this module without ``cuda.tile`` raises ImportError, which ``get_backend`` turns into
 a UserError. The kernels compile on first launch (JIT, cached on disk by cuTile), or ahead of time
-(``python -m tileinfer.bench.aot --backend cutile``).
+(``python -m benchmarks.aot --backend cutile``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Every op wrapper builds its kernel arguments from tensor *shapes* only and hands
   only allocations are the outputs (workspaces are cached per shape, see :func:`workspace`) and,
   in prefill (never captured), the widened copy of an INT8 weight (gemm.INT8_WIDEN_ROWS).
 - The same wrappers run on ``meta`` tensors under :func:`recording`: nothing is launched, the
-  launches are collected instead. The ahead-of-time compile (``python -m tileinfer.bench.aot
+  launches are collected instead. The ahead-of-time compile (``python -m benchmarks.aot
   --backend cutile``) uses that to list, without a GPU, exactly the kernel variants a model needs,
   and the CPU test compiles each for sm_90.
 """

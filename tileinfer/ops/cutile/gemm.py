@@ -29,8 +29,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from tileinfer.ops import Int8Weight, fallback
-from tileinfer.ops import reference as ref
+from tileinfer.ops import Int8Weight, Unsupported
 from tileinfer.ops.cutile._common import ZERO, ConstBool, ConstInt, cdiv, dummy, launch, pdl_prologue, workspace
 
 SKINNY_ROWS = 16  # decode / verify steps up to this many rows use the skinny kernels
@@ -524,17 +523,17 @@ def _weight(w):
     return w, None, False
 
 
-def _unsupported(op: str, x: torch.Tensor, wq: torch.Tensor) -> str | None:
-    """Why the kernels cannot take x, or None: they take x [T, in] only.
+def _check_x(op: str, x: torch.Tensor, wq: torch.Tensor) -> None:
+    """The kernels take x [T, in] only.
 
     Raises:
+        Unsupported: x is not 2-D.
         ValueError: x's features differ from the weight's columns.
     """
     if x.dim() != 2:
-        return f"x is {x.dim()}-D, not [T, in]"
+        raise Unsupported(f"x is {x.dim()}-D, not [T, in]")
     if x.shape[1] != wq.shape[1]:
         raise ValueError(f"{op}: x has {x.shape[1]} features, the weight {wq.shape[1]} columns")
-    return None
 
 
 def _half_row(x: torch.Tensor, logits: bool) -> bool:
@@ -649,17 +648,14 @@ def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor
     w: [out, in] in x's dtype, or an Int8Weight (int8 [out, in] + float32 scale [out], the scale
     applied in the epilogue). bias: [out] or None. T <= 16 runs the skinny (GEMV) kernels (T == 1
     with an INT8 weight and bf16/fp16 x: the unit-float GEMV, ``gemv_int8_unit_kernel``), larger
-    T the tiled GEMM (an INT8 weight widened to x's dtype first from ``INT8_WIDEN_ROWS`` rows). An x
-    that is not 2-D falls back to the reference (tileinfer.ops.fallback).
+    T the tiled GEMM (an INT8 weight widened to x's dtype first from ``INT8_WIDEN_ROWS`` rows).
 
     Raises:
+        Unsupported: x is not 2-D.
         ValueError: x's features differ from the weight's columns.
     """
     wq = w.q if isinstance(w, Int8Weight) else w
-    why = _unsupported("linear", x, wq)
-    if why:
-        fallback("cutile", "linear", why)
-        return ref.linear(x, w, bias)
+    _check_x("linear", x, wq)
     out = torch.empty(x.shape[0], wq.shape[0], dtype=x.dtype, device=x.device)
     return _run(x, w, bias, out, swiglu=False, logits=False)
 
@@ -669,17 +665,14 @@ def swiglu(x: torch.Tensor, w_gate_up) -> torch.Tensor:
 
     x: [T, hidden]; w_gate_up: [2 * inter, hidden] (gate rows first) or an Int8Weight of that
     shape. Returns [T, inter] in x's dtype. T == 1 with an INT8 weight and bf16/fp16 x runs the
-    unit-float GEMV (``gemv_swiglu_int8_unit_kernel``). An x that is not 2-D falls back to the
-    reference.
+    unit-float GEMV (``gemv_swiglu_int8_unit_kernel``).
 
     Raises:
+        Unsupported: x is not 2-D.
         ValueError: x's features differ from the weight's columns.
     """
     wq = w_gate_up.q if isinstance(w_gate_up, Int8Weight) else w_gate_up
-    why = _unsupported("swiglu", x, wq)
-    if why:
-        fallback("cutile", "swiglu", why)
-        return ref.swiglu(x, w_gate_up)
+    _check_x("swiglu", x, wq)
     out = torch.empty(x.shape[0], wq.shape[0] // 2, dtype=x.dtype, device=x.device)
     return _run(x, w_gate_up, None, out, swiglu=True, logits=False)
 
@@ -688,13 +681,13 @@ def lm_head(x: torch.Tensor, w) -> torch.Tensor:
     """Logits in float32: x [T, hidden] @ w.T -> [T, vocab] float32, accumulated in float32.
 
     w: [vocab, hidden] (model dtype or float32) or an Int8Weight. BF16 products are exact in
-    float32, so only the summation order differs from the reference's float32 matmul. An x that is
-    not 2-D falls back to the reference.
+    float32, so only the summation order differs from the reference's float32 matmul.
+
+    Raises:
+        Unsupported: x is not 2-D.
+        ValueError: x's features differ from the weight's columns.
     """
     wq = w.q if isinstance(w, Int8Weight) else w
-    why = _unsupported("lm_head", x, wq)
-    if why:
-        fallback("cutile", "lm_head", why)
-        return ref.lm_head(x, w)
+    _check_x("lm_head", x, wq)
     out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.float32, device=x.device)
     return _run(x, w, None, out, swiglu=False, logits=True)

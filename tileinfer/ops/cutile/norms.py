@@ -9,8 +9,7 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from tileinfer.ops import fallback
-from tileinfer.ops import reference as ref
+from tileinfer.ops import Unsupported
 from tileinfer.ops.cutile._common import ZERO, ConstInt, launch, next_pow2, pdl_prologue
 
 # A row wider than this is split into several tiles (embedding) or falls back to the reference (norms).
@@ -87,17 +86,17 @@ def _weight_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last axis: x [..., n] -> [..., n] in x's dtype, statistics in float32.
 
-    weight: [n], or [heads, n] for x [..., heads, n] (per-head norms after key smoothing). Other
-    broadcast shapes, and rows wider than 8192, fall back to the reference (tileinfer.ops.fallback).
+    weight: [n], or [heads, n] for x [..., heads, n] (per-head norms after key smoothing).
+
+    Raises:
+        Unsupported: other broadcast shapes of the weight, and rows wider than 8192.
     """
     n = x.shape[-1]
     w2 = _weight_rows(x, weight)
     if w2 is None:
-        fallback("cutile", "rms_norm", f"weight {tuple(weight.shape)} is neither [n] nor [heads, n]")
-        return ref.rms_norm(x, weight, eps)
+        raise Unsupported(f"weight {tuple(weight.shape)} is neither [n] nor [heads, n]")
     if n > MAX_ROW_TILE:
-        fallback("cutile", "rms_norm", f"rows of {n} > {MAX_ROW_TILE} values")
-        return ref.rms_norm(x, weight, eps)
+        raise Unsupported(f"rows of {n} > {MAX_ROW_TILE} values")
     x2 = x.reshape(-1, n)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
@@ -110,16 +109,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
     x, residual: [T, hidden] in the model dtype; weight [hidden]. The sum is rounded to the model
     dtype before it is normalised (transformers' order). Both outputs [T, hidden] in x's dtype.
-    One read of x and residual, one write of each output (TileInfer.jl's fused add + norm). Another
-    weight shape, or rows wider than 8192, fall back to the reference (tileinfer.ops.fallback).
+    One read of x and residual, one write of each output (TileInfer.jl's fused add + norm).
+
+    Raises:
+        Unsupported: another weight shape, or rows wider than 8192.
     """
     n = x.shape[-1]
     if weight.numel() != n:
-        fallback("cutile", "add_rms_norm", f"weight {tuple(weight.shape)} is not [n]")
-        return ref.add_rms_norm(x, residual, weight, eps)
+        raise Unsupported(f"weight {tuple(weight.shape)} is not [n]")
     if n > MAX_ROW_TILE:
-        fallback("cutile", "add_rms_norm", f"rows of {n} > {MAX_ROW_TILE} values")
-        return ref.add_rms_norm(x, residual, weight, eps)
+        raise Unsupported(f"rows of {n} > {MAX_ROW_TILE} values")
     x2, r2 = x.reshape(-1, n), residual.reshape(-1, n)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x2.shape, dtype=x.dtype, device=x.device)

@@ -28,8 +28,7 @@ import cuda.tile as ct
 import torch
 
 from tileinfer.core.kv_cache import KVLayer
-from tileinfer.ops import fallback, sm_count
-from tileinfer.ops import reference as ref
+from tileinfer.ops import Unsupported, sm_count
 from tileinfer.ops.cutile._common import (
     LOG2E,
     NUM_SMS,
@@ -325,7 +324,7 @@ def _int8_words(dtype: torch.dtype, T: int, rows: int, D: int) -> bool:
     """Whether decode over an INT8 cache takes :func:`decode_split_int8_kernel`: bf16 queries (the
     dtype it was measured and tested with; float32 would round to tf32), T = 1 with a GQA group of at
     most 16 heads (``rows``: the padded tile TP * GP <= 16), and head_dim 128. Outside these its sm_90
-    build spills (``python -m tileinfer.bench.aot --backend cutile --sass --filter decode_split``:
+    build spills (``python -m benchmarks.aot --backend cutile --sass --filter decode_split``:
     344-392 bytes of stack for head_dim 64, or for T > 1, whose size is then not a compile-time
     constant), and the mma path takes them."""
     return DECODE_INT8_WORDS and dtype == torch.bfloat16 and T == 1 and rows <= 16 and D == 128
@@ -352,11 +351,11 @@ def attention(
     cache layer [num_pages, kv_heads, page_size, d] (bf16/float32, or int8 + float32 scales
     [num_pages, kv_heads, page_size]); block_table: int32 [max_pages]; positions: int32 [T] on the
     device. Returns [T, heads, d] in q's dtype. T <= 16: split-KV decode + combine (two launches);
-    larger T: the prefill kernel (one launch). Other inputs (see :func:`_unsupported`) fall back
-    to the reference (tileinfer.ops.fallback).
+    larger T: the prefill kernel (one launch).
 
     Raises:
         ValueError: heads not a multiple of the KV heads (no GQA grouping; the reference rejects it too).
+        Unsupported: other inputs (see :func:`_unsupported`).
     """
     T, H, D = q.shape
     KVH, PS = layer.k.shape[1], layer.page_size
@@ -364,8 +363,7 @@ def attention(
         raise ValueError(f"attention: {H} query heads are not a multiple of {KVH} KV heads")
     why = _unsupported(D, PS, block_table, positions)
     if why:
-        fallback("cutile", "attention", why)
-        return ref.attention(q, layer, block_table, positions, sm_scale)
+        raise Unsupported(why)
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
@@ -375,7 +373,7 @@ def attention(
     scale2 = float(sm_scale) * LOG2E
     if T <= DECODE_ROWS:
         tp, gp = decode_rows(T, H // KVH)
-        S = decode_splits(KVH, block_table.shape[0], sm_count(q.device, NUM_SMS))
+        S = decode_splits(KVH, block_table.shape[0], sm_count(q.device))
         o_part = workspace("attn_o", (S, T, H, D), torch.float32, q.device)
         m_part = workspace("attn_m", (S, T, H), torch.float32, q.device)
         l_part = workspace("attn_l", (S, T, H), torch.float32, q.device)

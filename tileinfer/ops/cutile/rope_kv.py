@@ -14,8 +14,7 @@ import cuda.tile as ct
 import torch
 
 from tileinfer.core.kv_cache import KVLayer
-from tileinfer.ops import fallback
-from tileinfer.ops import reference as ref
+from tileinfer.ops import Unsupported
 from tileinfer.ops.cutile._common import ZERO, ConstBool, ConstInt, dummy, is_pow2, launch, next_pow2, pdl_prologue
 
 # 1.5 * 2**23: adding and subtracting it rounds a float32 |x| < 2**22 to the nearest integer,
@@ -162,9 +161,11 @@ def qk_norm_rope_kv_write(
     [max_positions, d/2]; layer: the KV cache layer (bf16/float32 or int8 + float32 scales);
     block_table: int32 [max_pages]; positions: int32 [T] on the device. Returns the rotated q
     [T, heads, d] in q's dtype. Rotate-half RoPE (Su et al., 2021); INT8 scales max|x|/127 per
-    vector with round-half-even, as ``reference.quantize_int8``. A head_dim that is not a power of
-    two >= 16, norm weights of other shapes, or non-int32 positions / block table fall back to the
-    reference (tileinfer.ops.fallback).
+    vector with round-half-even, as ``reference.quantize_int8``.
+
+    Raises:
+        Unsupported: a head_dim that is not a power of two >= 16, norm weights of other shapes, or
+            non-int32 positions / block table (before any write).
     """
     T, H, d = q.shape
     KVH = k.shape[1]
@@ -181,10 +182,7 @@ def qk_norm_rope_kv_write(
     else:
         why = None
     if why:
-        fallback("cutile", "qk_norm_rope_kv_write", why)
-        return ref.qk_norm_rope_kv_write(
-            q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer, block_table, positions
-        )
+        raise Unsupported(why)
     q_out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out

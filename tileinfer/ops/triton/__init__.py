@@ -9,7 +9,7 @@ compare against). One module per kernel family:
   float32-logit epilogues;
 * :mod:`.paged_attention` - paged flash-attention: causal prefill, split-KV decode + combine;
 * :mod:`.sampling` - argmax and temperature/top-k/top-p sampling on the device;
-* ahead-of-time compile for sm_90 without a GPU (the CI check): ``python -m tileinfer.bench.aot --backend triton``.
+* ahead-of-time compile for sm_90 without a GPU (the CI check): ``python -m benchmarks.aot --backend triton``.
 
 CUDA graphs: no op reads a device value on the host or branches on one; grid sizes depend only on
 shapes (token count, heads, the block table's length). The ops allocate their outputs and, where a

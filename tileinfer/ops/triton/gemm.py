@@ -38,8 +38,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tileinfer.ops import Int8Weight, fallback, sm_count
-from tileinfer.ops import reference as ref
+from tileinfer.ops import Int8Weight, Unsupported, sm_count
 from tileinfer.ops.triton._common import (
     INTERPRET,
     cast,
@@ -631,11 +630,11 @@ GEMM_TILES = {
 INT8_DEQUANT_ROWS = 512
 NUM_SMS = 132  # H200: the tile rule's wave size (the launch reads the device's own count)
 
-# Overrides for measuring alternatives (tileinfer.bench.ops --sweep); empty = the tables here.
+# Overrides for measuring alternatives (benchmarks.ops --sweep); empty = the tables here.
 _OVERRIDE: dict[str, tuple] = {}
 
 
-# Per-shape entries measured on the H200 (tileinfer.bench.ops --sweep), keyed like the sweep:
+# Per-shape entries measured on the H200 (benchmarks.ops --sweep), keyed like the sweep:
 # GEMV (weight rows, K), GEMM (M, N out, K). Shapes not listed use the rules above.
 SHAPE_TABLE: dict[str, dict] = {
     # At 1k tokens: Qwen3-4B qkv 128 x 128 tiles (the table's 128 x 256 leave a wave 73% full); 4B down
@@ -770,32 +769,34 @@ def _streamk_workspace(device, programs: int, tile: int) -> tuple[torch.Tensor, 
 def _num_sms(device) -> int:
     if device.type == "cpu":
         return 4  # the interpreter: a few persistent programs exercise the tile loop
-    return sm_count(device, NUM_SMS)  # meta tensors (ahead-of-time compiles): the H200's count
+    return sm_count(device)
 
 
-def _reference(op: str, reason: str, x: torch.Tensor, w, bias) -> torch.Tensor:
-    """The reference op ``op`` (linear, swiglu or lm_head) on inputs the kernels do not take."""
-    fallback("triton", op, reason)
-    return ref.linear(x, w, bias) if op == "linear" else getattr(ref, op)(x, w)
+def _check_operands(x: torch.Tensor, w, bias, swiglu: bool, op: str) -> None:
+    """Raise what :func:`_matmul` raises for operands it cannot take (before anything runs)."""
+    if x.dim() != 2:
+        raise Unsupported(f"x is {x.dim()}-D, not [T, in]")
+    wq = w.q if isinstance(w, Int8Weight) else w
+    if wq.shape[1] != x.shape[1]:
+        raise ValueError(f"{op}: x has {x.shape[1]} features, the weight {wq.shape[1]} columns")
+    if wq.stride(1) != 1:
+        raise Unsupported("weight rows not contiguous")
+    if bias is not None and not swiglu and not bias.is_contiguous():
+        raise Unsupported("bias not contiguous")
 
 
 def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch.Tensor:
     """Shared launcher of ``op``: x [T, K] @ w.T -> [T, N_out] (N_out = rows of w, halved for SwiGLU).
 
-    Falls back to the reference for x that is not 2-D, weight rows or a bias that are not
-    contiguous, and an INT8 weight that the int32-word GEMV or the widening pass cannot read as one
-    contiguous block.
-
     Raises:
         ValueError: x's features differ from the weight's columns.
+        Unsupported: x that is not 2-D, weight rows or a bias that are not contiguous, or an INT8
+            weight that the int32-word GEMV or the widening pass cannot read as one contiguous block.
     """
-    if x.dim() != 2:
-        return _reference(op, f"x is {x.dim()}-D, not [T, in]", x, w, bias)
+    _check_operands(x, w, bias, swiglu, op)
     T, K = x.shape
     int8 = isinstance(w, Int8Weight)
     wq = w.q if int8 else w
-    if wq.shape[1] != K:
-        raise ValueError(f"{op}: x has {K} features, the weight {wq.shape[1]} columns")
     n_rows = wq.shape[0]
     N = n_rows // 2 if swiglu else n_rows
     out = torch.empty((T, N), dtype=out_dtype, device=x.device)
@@ -803,13 +804,9 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    if wq.stride(1) != 1:
-        return _reference(op, "weight rows not contiguous", x, w, bias)
     scale = w.scale if int8 else wq
     b = bias if bias is not None else wq
     has_bias = bias is not None and not swiglu  # the reference's swiglu takes no bias
-    if has_bias and not bias.is_contiguous():
-        return _reference(op, "bias not contiguous", x, w, bias)
     round_ = out_dtype != torch.float32
     dot_t, prec = dot_dtype(x.dtype), dot_precision(x.dtype)
     up_off = N if swiglu else 0
@@ -825,7 +822,7 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
         pipe, stages = (1, stages) if dot else (stages, 1)
         if mode == 2:  # this INT8 GEMV reads the weight as int32 words
             if K % 4 or not wq.is_contiguous():
-                return _reference(op, "INT8 weight not contiguous in whole int32 words", x, w, bias)
+                raise Unsupported("INT8 weight not contiguous in whole int32 words")
             wv, stride_wn = wq.view(torch.int32), wq.stride(0) // 4
         else:
             wv, stride_wn = wq, wq.stride(0)
@@ -865,7 +862,7 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
             cfg, swap = _gemm_tiles(int8, swiglu)[-1], False
         if int8 and T >= INT8_DEQUANT_ROWS and not swap:
             if not wq.is_contiguous():  # the widening pass reads the weight as one flat block
-                return _reference(op, "INT8 weight not contiguous", x, w, bias)
+                raise Unsupported("INT8 weight not contiguous")
             wq = _widen_int8(wq, x.dtype)  # exact bf16 copy; the int8 epilogue still scales
             cfg = _gemm_config(T, N, False, K, swiglu)
         bm, bn, bk, gm, warps, stages = cfg[:6]
@@ -999,6 +996,7 @@ def lm_head(x: torch.Tensor, w) -> torch.Tensor:
     w: [vocab, hidden] (model dtype or float32) or an :class:`Int8Weight`. With a float32 weight and
     bf16 activations the activations are upcast (the product then runs in float32).
     """
+    _check_operands(x, w, None, False, "lm_head")
     if not isinstance(w, Int8Weight) and w.dtype != x.dtype:
         x = x.to(w.dtype) if w.dtype == torch.float32 else x
     return _matmul(x, w, None, torch.float32, swiglu=False, op="lm_head")

@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tileinfer.ops import fallback
-from tileinfer.ops import reference as ref
+from tileinfer.ops import Unsupported
 from tileinfer.ops.triton._common import cast, next_pow2, pdl_launch, pdl_prologue
 
 
@@ -32,11 +31,11 @@ def _embedding_kernel(
 def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Gather rows of the embedding table: ids int [T] -> [T, hidden] in the table's dtype.
 
-    A table whose rows are not contiguous falls back to the reference (tileinfer.ops.fallback).
+    Raises:
+        Unsupported: a table whose rows are not contiguous.
     """
     if table.stride(1) != 1:
-        fallback("triton", "embedding", "table rows not contiguous")
-        return ref.embedding(ids, table)
+        raise Unsupported("table rows not contiguous")
     T, H = ids.shape[0], table.shape[1]
     out = torch.empty((T, H), dtype=table.dtype, device=table.device)
     if T == 0:
@@ -102,11 +101,7 @@ def _launch_norm(x, residual, weight, eps):
     x2 = x.reshape(-1, n)
     r2 = residual.reshape(-1, n) if residual is not None else x2
     if x2.stride(-1) != 1 or r2.stride(-1) != 1:
-        if residual is None:
-            fallback("triton", "rms_norm", "rows not contiguous")
-            return ref.rms_norm(x, weight, eps), None
-        fallback("triton", "add_rms_norm", "rows not contiguous")
-        return ref.add_rms_norm(x, residual, weight, eps)
+        raise Unsupported("rows not contiguous")
     rows = x2.shape[0]
     w2 = _weight_rows(weight, x.shape, n)
     if w2 is None:  # unusual broadcast: materialise it (not on the model's paths)
@@ -150,8 +145,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich, 2019) over the last axis: ``x / sqrt(mean(x²) + eps) * weight``.
 
     x: [..., n]; weight: [n], or [..., n] matching x's trailing axes (one row per head). Statistics
-    in float32; output in x's dtype. One program per row. Rows that are not contiguous (last-axis
-    stride != 1) fall back to the reference (tileinfer.ops.fallback).
+    in float32; output in x's dtype. One program per row.
+
+    Raises:
+        Unsupported: rows that are not contiguous (last-axis stride != 1).
     """
     return _launch_norm(x, None, weight, eps)[0]
 
@@ -161,6 +158,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
     x, residual: [T, hidden] in the model dtype; the sum is rounded to that dtype before it is
     normalised and returned as the next residual. One read of each input, one write of each output.
-    Rows that are not contiguous fall back to the reference (tileinfer.ops.fallback).
+
+    Raises:
+        Unsupported: rows that are not contiguous.
     """
     return _launch_norm(x, residual, weight, eps)

@@ -35,8 +35,7 @@ import triton
 import triton.language as tl
 
 from tileinfer.core.kv_cache import KVLayer
-from tileinfer.ops import fallback
-from tileinfer.ops import reference as ref
+from tileinfer.ops import Unsupported
 from tileinfer.ops.triton._common import (
     cast,
     cdiv,
@@ -475,11 +474,11 @@ def attention(
     page pool [num_pages, kv_heads, page_size, d] (bf16/f32, or int8 + float32 scales
     [num_pages, kv_heads, page_size]); block_table: int [max_pages]; positions: int [T] on the device.
     The query at position p attends to cached positions 0..p. T <= 16: split-KV decode + combine;
-    else the prefill kernel. Returns [T, heads, d] in q's dtype. Inputs outside the kernels' domain
-    (see :func:`_unsupported`) fall back to the reference (tileinfer.ops.fallback).
+    else the prefill kernel. Returns [T, heads, d] in q's dtype.
 
     Raises:
         ValueError: heads not a multiple of the KV heads (no GQA grouping; the reference rejects it too).
+        Unsupported: inputs outside the kernels' domain (see :func:`_unsupported`).
     """
     T, H, D = q.shape
     KVH = layer.k.shape[1]
@@ -492,8 +491,7 @@ def attention(
         return out
     why = _unsupported(q, layer)
     if why:
-        fallback("triton", "attention", why)
-        return ref.attention(q, layer, block_table, positions, sm_scale)
+        raise Unsupported(why)
     kc, vc, ks, vs, strides = _cache_args(layer)
     maxp = block_table.shape[0]
     dot_t, prec = dot_dtype(q.dtype), dot_precision(q.dtype)

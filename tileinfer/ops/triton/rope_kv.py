@@ -15,8 +15,7 @@ import triton
 import triton.language as tl
 
 from tileinfer.core.kv_cache import KVLayer
-from tileinfer.ops import fallback
-from tileinfer.ops import reference as ref
+from tileinfer.ops import Unsupported
 from tileinfer.ops.triton._common import cast, pdl_launch, pdl_prologue, rint_f32
 
 
@@ -187,16 +186,14 @@ def qk_norm_rope_kv_write(
     last axis contiguous); q_norm/k_norm: [d] or [heads|kv_heads, d] or None; cos_table/sin_table:
     float32 [max_positions, d/2]; block_table int [max_pages]; positions int [T] (on the device,
     read by the kernel). An INT8 layer gets int8 values and a float32 scale max|x|/127 per vector
-    (round half to even). Returns the rotated q, [T, heads, d] contiguous, in q's dtype. Inputs
-    outside the kernel's domain (see :func:`_unsupported`) fall back to the reference
-    (tileinfer.ops.fallback).
+    (round half to even). Returns the rotated q, [T, heads, d] contiguous, in q's dtype.
+
+    Raises:
+        Unsupported: inputs outside the kernel's domain (see :func:`_unsupported`), before any write.
     """
     why = _unsupported(q, k, v, q_norm, k_norm, cos_table, sin_table, layer)
     if why:
-        fallback("triton", "qk_norm_rope_kv_write", why)
-        return ref.qk_norm_rope_kv_write(
-            q, k, v, q_norm, k_norm, eps, cos_table, sin_table, layer, block_table, positions
-        )
+        raise Unsupported(why)
     T, H, d = q.shape
     KVH = k.shape[1]
     q_out = torch.empty((T, H, d), dtype=q.dtype, device=q.device)

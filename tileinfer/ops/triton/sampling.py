@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tileinfer.ops import fallback
-from tileinfer.ops import reference as ref
+from tileinfer.ops import Unsupported
 from tileinfer.ops.triton._common import cdiv, next_pow2, pdl_launch, pdl_prologue
 
 ARGMAX_CHUNK = 4096
@@ -69,11 +68,11 @@ def _argmax_final_kernel(pv_ptr, pi_ptr, out_ptr, S, BLOCK_S: tl.constexpr, PDL:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy token per row: logits float32 [T, vocab] -> int64 [T] (lowest id on ties).
 
-    Rows that are not contiguous fall back to the reference (tileinfer.ops.fallback).
+    Raises:
+        Unsupported: rows that are not contiguous.
     """
     if logits.stride(1) != 1:
-        fallback("triton", "argmax", "logits rows not contiguous")
-        return ref.argmax(logits)
+        raise Unsupported("logits rows not contiguous")
     T, V = logits.shape
     out = torch.empty(T, dtype=torch.int64, device=logits.device)
     if T == 0:

@@ -1,10 +1,10 @@
 """Op benchmark: every op of every requested backend, and torch (cuBLAS / SDPA), at model shapes.
 
-    python -m tileinfer.bench.ops [--backends triton,cutile] [--models qwen3-0.6b-random,...]
+    python -m benchmarks.ops [--backends triton,cutile] [--models qwen3-0.6b-random,...]
                                   [--out DIR] [--ops OP,...] [--phases P,...] [--no-32k] [--precompile N]
                                   [--sweep [--sweep-families F,...] [--apply-sweep]]
 
-For each model (registry names, conf/model): the cases of :mod:`tileinfer.bench.cases` - the decode
+For each model (registry names, conf/model): the cases of :mod:`benchmarks.cases` - the decode
 step's ops (one token; attention after 1k, 8k and 32k cached positions), a 16-row verify step's
 GEMVs and attention, and a 1,024-token prefill chunk's ops (plus prefill attention over 8,192
 tokens, and the GEMMs of a 512-token chunk, the runner's default), with BF16 and INT8 weights and
@@ -24,7 +24,7 @@ tables in tileinfer/ops/triton/*.py were chosen; cuTile's skinny-GEMM plans and 
 tiles). Each sweep config's output is first compared with the reference backend's on the same inputs:
 a wrong one (non-finite, or past the op tests' error bound) is logged as WRONG OUTPUT, not timed, and
 never chosen. ``--precompile N`` first compiles every kernel the run launches, sweep configurations
-included, in N processes per backend through :mod:`tileinfer.bench.aot` (compilation dominates a
+included, in N processes per backend through :mod:`benchmarks.aot` (compilation dominates a
 cold run otherwise); the run then reports how many cuTile JIT compiles still happened (0 when the
 precompile predicted every launch). Results: DIR/ops.parquet, DIR/ops.md, DIR/targets.md (and
 DIR/sweep.* with --sweep), written with polars, or pyarrow where polars is missing.
@@ -47,9 +47,9 @@ from typing import Callable
 
 import torch
 
-from tileinfer.bench.aot import BACKENDS as AOT_BACKENDS
-from tileinfer.bench.aot import Call, compile_calls
-from tileinfer.bench.cases import TARGET_MODELS, Case, model_cases
+from benchmarks.aot import BACKENDS as AOT_BACKENDS
+from benchmarks.aot import Call, compile_calls
+from benchmarks.cases import TARGET_MODELS, Case, model_cases
 from tileinfer.core.errors import UserError
 from tileinfer.core.registry import model_config
 from tileinfer.ops import reference as ref
@@ -490,7 +490,7 @@ def table_cases(models, long_ctx: bool, ops: str = "", phases: str = "") -> list
 def bench_calls(
     backend: str, models, long_ctx: bool, sweep_models, families: str, ops: str = "", phases: str = ""
 ) -> list[Call]:
-    """The run's launches as ahead-of-time calls (:mod:`tileinfer.bench.aot`): every case of the
+    """The run's launches as ahead-of-time calls (:mod:`benchmarks.aot`): every case of the
     main table (:func:`table_cases`), and every config of the selected sweep families of
     ``backend`` on their cases of ``sweep_models``."""
 
@@ -679,7 +679,7 @@ def save(rows: list[dict], out_dir: str, name: str, header: str = "") -> None:
 def main(argv=None) -> int:
     from tileinfer.ops import get_backend
 
-    p = argparse.ArgumentParser(prog="python -m tileinfer.bench.ops", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ops", description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cutile")
     p.add_argument(
         "--models",

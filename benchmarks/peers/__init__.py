@@ -1,4 +1,4 @@
-"""Peers to time this engine's decode against: ``python -m tileinfer.bench.peers`` (see :mod:`.bench`).
+"""Peers to time this engine's decode against: ``python -m benchmarks.peers`` (see :mod:`.bench`).
 
 - :mod:`.gptfast`: a gpt-fast style decoder in plain torch (static KV cache, ``torch.compile``), BF16
   and INT8 weight-only; torchao's INT8 weight-only quantization is applied to it too.

@@ -1,11 +1,11 @@
 """Nsight Compute profile of the ops benchmark cases: one ncu row per kernel of each (case, backend).
 
-    python -m tileinfer.bench.profile [--backends triton,cutile,torch] [--models qwen3-4b-random]
+    python -m benchmarks.profile [--backends triton,cutile,torch] [--models qwen3-4b-random]
         [--cases decode:linear,decode:attention:int8kv:ctx=8192,...] [--out runs/profile]
         [--no-32k] [--timeout 480] [--ncu PATH]
 
 The parent finds ncu and runs this module again (``--child``) under it. The child builds the selected
-cases of :mod:`tileinfer.bench.cases` (a filter is ``phase:op[:variant][:shape-substring]``; empty parts
+cases of :mod:`benchmarks.cases` (a filter is ``phase:op[:variant][:shape-substring]``; empty parts
 match all), warms each (case, backend) up three times (compilation, autotuning), then profiles one
 call between cudaProfilerStart/Stop, right after a one-program Triton kernel ``_ncu_case_marker``:
 in ncu's kernel list every kernel after a marker belongs to that marker's case. The child writes
@@ -221,7 +221,7 @@ def _child(a) -> int:
     import triton
     import triton.language as tl
 
-    from tileinfer.bench.cases import model_cases
+    from benchmarks.cases import model_cases
     from tileinfer.ops import get_backend
 
     @triton.jit
@@ -308,7 +308,7 @@ def _stream(cmd: list[str], timeout: float) -> int:
 
 def main(argv=None) -> int:
     """Parent mode: profile the selection under ncu and write the tables; ``--child``: the profiled run."""
-    p = argparse.ArgumentParser(prog="python -m tileinfer.bench.profile", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.splitlines()[0])
     p.add_argument("--backends", default="triton,cutile,torch")
     p.add_argument("--models", default="qwen3-4b-random", help="registry names (conf/model), comma-separated")
     p.add_argument("--cases", default=DEFAULT_CASES, help="comma-separated phase:op[:variant][:shape-substring]")
@@ -379,7 +379,7 @@ def main(argv=None) -> int:
         "-f",
         sys.executable,
         "-m",
-        "tileinfer.bench.profile",
+        "benchmarks.profile",
         "--child",
         "--backends",
         a.backends,
@@ -427,7 +427,7 @@ def write_tables(out: str, how: str) -> int:
         return 1
     import torch
 
-    from tileinfer.bench.ops import _markdown
+    from benchmarks.ops import _markdown
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "(parsed without a GPU)"
     md = (

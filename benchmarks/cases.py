@@ -4,8 +4,8 @@ A :class:`Case` is one op at one shape (decode, verify or prefill step; BF16 or 
 cache): how to build random arguments on a device (``make``; ``meta`` for ahead-of-time compiles),
 how to call the op through a backend module, torch's path for the same work (cuBLAS, SDPA, the
 reference op), and the bytes and FLOPs the op must move and compute (for GB/s, TFLOP/s). Shapes come
-from :func:`tileinfer.core.registry.model_config`. Used by the benchmark (:mod:`tileinfer.bench.ops`),
-its tile sweeps and precompile, and the Nsight Compute profile (:mod:`tileinfer.bench.profile`).
+from :func:`tileinfer.core.registry.model_config`. Used by the benchmark (:mod:`benchmarks.ops`),
+its tile sweeps and precompile, and the Nsight Compute profile (:mod:`benchmarks.profile`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tileinfer.bench import qkv_out
+from benchmarks import qkv_out
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.kv_cache import PagedKVCache
 from tileinfer.core.registry import model_config

@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from tileinfer.bench.aot import Call, cubin_resources, run_calls
+from benchmarks.aot import Call, cubin_resources, run_calls
 
 # Shared memory one block may use, in bytes (227 KB on sm_90). The compiler does not check it; a
 # launch past it fails with OutOfResources, so the check here catches that without a GPU.
@@ -80,9 +80,11 @@ def compiling(target: GPUTarget, share: tuple[int, int] = (0, 1)):
 
 def compile_share(calls: Sequence[Call], arch: str, share: tuple[int, int], sass: bool) -> list[dict]:
     """Compile share ``(k, n)`` of the distinct kernels ``calls`` launch for ``arch`` ("sm_90");
-    records as :func:`tileinfer.bench.aot.compile_calls` describes (a kernel over the target's
+    records as :func:`benchmarks.aot.compile_calls` describes (a kernel over the target's
     shared memory is a failure)."""
-    from tileinfer.ops import triton as ops
+    from tileinfer.ops import get_backend
+
+    ops = get_backend("triton")
 
     cap = int(arch.removeprefix("sm_"))
     with compiling(GPUTarget("cuda", cap, 32), share) as seen:

@@ -24,7 +24,7 @@ import cuda.tile as ct
 import torch
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 
-from tileinfer.bench.aot import Call, cubin_resources, run_calls
+from benchmarks.aot import Call, cubin_resources, run_calls
 from tileinfer.ops.cutile import _common
 
 _DTYPES = {
@@ -131,8 +131,10 @@ def variants(launches: Sequence[tuple]) -> list[KernelVariant]:
 
 def record(calls: Sequence[Call]) -> tuple[list[KernelVariant], list[dict]]:
     """The variants ``calls`` launch through the cuTile backend, and failure records of the calls
-    that raised (see :func:`tileinfer.bench.aot.run_calls`)."""
-    from tileinfer.ops import cutile as ops
+    that raised (see :func:`benchmarks.aot.run_calls`)."""
+    from tileinfer.ops import get_backend
+
+    ops = get_backend("cutile")
 
     with _common.recording() as launches:
         failed = run_calls(calls, ops)
@@ -148,7 +150,7 @@ def compile_variant(v: KernelVariant, arch: str) -> bytes:
 
 def compile_share(calls: Sequence[Call], arch: str, share: tuple[int, int], sass: bool) -> list[dict]:
     """Compile share ``(k, n)`` of the variants ``calls`` launch (every n-th, from the k-th) for
-    ``arch``; records as :func:`tileinfer.bench.aot.compile_calls` describes."""
+    ``arch``; records as :func:`benchmarks.aot.compile_calls` describes."""
     found, failed = record(calls)
     k, n = share
     out = failed if k == 0 else []  # every process records every call: report a failure once

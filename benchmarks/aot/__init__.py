@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the kernels the models launch, for a GPU that need not be present.
 
-    python -m tileinfer.bench.aot --backend triton|cutile [--models a,b] [--jobs N] [--arch sm_90]
+    python -m benchmarks.aot --backend triton|cutile [--models a,b] [--jobs N] [--arch sm_90]
                                   [--sass] [--filter NAME]
 
 One enumeration serves both backends: :func:`model_calls` runs the real model code (one layer of
@@ -12,7 +12,7 @@ launches into compilations: :mod:`.triton` compiles in place of each ``@triton.j
 :mod:`.cutile` records the launches, predicts the specialization the JIT will infer for each
 (:class:`~.cutile.KernelVariant`) and compiles it with ``cuda.tile.compilation.export_kernel``.
 :func:`compile_calls` spreads the distinct kernels over processes; the op benchmark precompiles its
-own cases through it too (``python -m tileinfer.bench.ops --precompile N``).
+own cases through it too (``python -m benchmarks.ops --precompile N``).
 
 On the CPU, compiling for sm_90 is the CI check that every kernel builds at every shipped shape
 (tests/test_triton_compile.py, tests/test_cutile_compile.py). On the GPU, the compiled kernels
@@ -31,17 +31,16 @@ import subprocess
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Callable, Sequence
 
 import torch
 
-from tileinfer.bench import qkv_out
+from benchmarks import qkv_out
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.kv_cache import PagedKVCache
 from tileinfer.core.registry import model_config
 from tileinfer.models.transformer import Layer, Transformer
-from tileinfer.ops import Int8Weight
+from tileinfer.ops import Backend, Int8Weight
 
 BACKENDS = ("triton", "cutile")
 # (rows, logits of every row) of the steps the engine runs: decode (1 row); speculative verify (5,
@@ -57,10 +56,11 @@ PAGE_SIZE = 64
 
 @dataclass(frozen=True)
 class Call:
-    """Some op launches: ``run(ops)`` calls them through backend module ``ops`` on meta tensors."""
+    """Some op launches: ``run(ops)`` calls them through the :class:`~tileinfer.ops.Backend` ``ops`` on
+    meta tensors."""
 
     label: str
-    run: Callable[[ModuleType], object]
+    run: Callable[[Backend], object]
 
 
 def meta_model(c: ModelConfig, int8_weights: bool) -> Transformer:
@@ -147,7 +147,7 @@ def model_calls(names: Sequence[str], steps=STEPS) -> list[Call]:
     return calls
 
 
-def run_calls(calls: Sequence[Call], ops: ModuleType) -> list[dict]:
+def run_calls(calls: Sequence[Call], ops: Backend) -> list[dict]:
     """Run every call through ``ops``; one failure record (see :func:`compile_calls`) per call that
     raised, so that one bad shape does not hide the others."""
     failed = []
@@ -164,7 +164,7 @@ def run_calls(calls: Sequence[Call], ops: ModuleType) -> list[dict]:
 def _compile_share(
     backend: str, make_calls: Callable[..., list[Call]], args: tuple, arch: str, share: tuple[int, int], sass: bool
 ) -> list[dict]:
-    module = importlib.import_module(f"tileinfer.bench.aot.{backend}")
+    module = importlib.import_module(f"benchmarks.aot.{backend}")
     return module.compile_share(make_calls(*args), arch, share, sass)
 
 

@@ -1,12 +1,12 @@
 """Decode tok/s of this engine against peers on the same weights, shapes and contexts.
 
-For random-weight models with registered shapes (as :mod:`tileinfer.bench.decode`), each context
+For random-weight models with registered shapes (as :mod:`benchmarks.decode`), each context
 ``ctx`` and quantization (``bf16``; ``int8_weights``: INT8 weights with a BF16 KV cache, so that it
 matches the peers' weight-only INT8; bench.decode's ``int8_both`` also has an INT8 cache):
 
 - this engine (``tileinfer-<backend>``): a prefill of ``ctx`` tokens, then bench.decode's
-  measurement (:func:`tileinfer.bench.decode.time_steps`, replayed from the CUDA graph);
-- ``gptfast``: the gpt-fast style decoder of :mod:`tileinfer.bench.peers.gptfast` (BF16, or
+  measurement (:func:`benchmarks.decode.time_steps`, replayed from the CUDA graph);
+- ``gptfast``: the gpt-fast style decoder of :mod:`benchmarks.peers.gptfast` (BF16, or
   gpt-fast's INT8 weight-only linear on the same INT8 values as this engine's), chunked eager
   prefill, then ``warm`` decode steps (compilation, CUDA-graph recording) and ``steps`` timed ones,
   each feeding back the previous step's greedy token (no host sync);
@@ -14,17 +14,17 @@ matches the peers' weight-only INT8; bench.decode's ``int8_both`` also has an IN
   ``quantize_(model, Int8WeightOnlyConfig())`` (its own per-row INT8 rounding), timed the same way;
   needs torchao (``--torchao-wheel`` installs one with ``pip install --no-deps --target``), else
   the row says why it was skipped;
-- ``hf_eager``, ``hf_static`` (bf16): transformers' ``generate``, see :mod:`tileinfer.bench.peers.hf`.
+- ``hf_eager``, ``hf_static`` (bf16): transformers' ``generate``, see :mod:`benchmarks.peers.hf`.
 
 Every model is built from one ``random_state_dict(hf_config, seed=0)`` on the GPU. The roofline of
 every row is this engine's: the bytes a step must read (weights of the row's quantization, lm_head
 included, embedding table not, plus a BF16 KV cache of ``ctx`` positions:
-:func:`tileinfer.bench.decode.bytes_per_step`) over the copy bandwidth measured in this run, whatever
+:func:`benchmarks.decode.bytes_per_step`) over the copy bandwidth measured in this run, whatever
 the peer actually reads (gpt-fast reads the whole static cache and copies K/V to every query head).
 ``ours_vs_best_peer``, on this engine's rows: its tok/s over the fastest peer's of the same model,
 ctx and quantization. ``setup_s``: seconds of a row outside its timed steps (prefill, compilation,
 warm-up). A peer that fails gets a row with its error and no speed; this engine failing stops the
-run. Rows are saved (Markdown and Parquet, :func:`tileinfer.bench.ops.save`) after each one.
+run. Rows are saved (Markdown and Parquet, :func:`benchmarks.ops.save`) after each one.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ import time
 
 import torch
 
-from quantize import apply, named_scheme
-from tileinfer.bench.decode import (
+from benchmarks.decode import (
     bytes_per_step,
     contexts_arg,
     positive_int,
@@ -47,8 +46,9 @@ from tileinfer.bench.decode import (
     refuse_unknown,
     time_steps,
 )
-from tileinfer.bench.ops import measure_ceilings, save
-from tileinfer.bench.peers import gptfast, hf
+from benchmarks.ops import measure_ceilings, save
+from benchmarks.peers import gptfast, hf
+from quantize import apply, named_scheme
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.registry import model_config, model_entry
 from tileinfer.engine.runner import ModelRunner
@@ -227,7 +227,7 @@ def bench_model(name: str, a, copy_GBps: float, torchao_skip: str | None, rows: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tileinfer.bench.peers", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-4b-random,qwen3-8b-random")
     p.add_argument("--contexts", type=contexts_arg, default="1024,32768", help="token counts (1024 or 1k)")
     p.add_argument("--quants", default="bf16,int8_weights", help=f"of {', '.join(QUANTS)}")

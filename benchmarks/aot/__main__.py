@@ -1,4 +1,4 @@
-"""Compile every kernel the models need, ahead of time: ``python -m tileinfer.bench.aot --backend ...``.
+"""Compile every kernel the models need, ahead of time: ``python -m benchmarks.aot --backend ...``.
 
 Prints one line per compiled kernel (name, time, constants; with --sass: registers, spills, shared
 memory and SASS counts), then ``N kernels compiled for ARCH in S s`` and every failure. Exit status
@@ -13,13 +13,13 @@ import os
 import sys
 import time
 
-from tileinfer.bench.aot import BACKENDS, SASS_OPS, compile_calls, model_calls
+from benchmarks.aot import BACKENDS, SASS_OPS, compile_calls, model_calls
 from tileinfer.core.registry import shaped_models
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m tileinfer.bench.aot",
+        prog="python -m benchmarks.aot",
         description="Compile every kernel the models launch, for a GPU that need not be here.",
     )
     p.add_argument("--backend", required=True, choices=BACKENDS)
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     toolchain = {"triton": "triton", "cutile": "cuda.tile"}[a.backend]
     if importlib.util.find_spec(toolchain.split(".")[0]) is None:
         print(
-            f"tileinfer.bench.aot: error: {toolchain} is not installed: pip install -e '.[{a.backend}]'",
+            f"benchmarks.aot: error: {toolchain} is not installed: pip install -e '.[{a.backend}]'",
             file=sys.stderr,
         )
         return 2

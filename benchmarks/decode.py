@@ -1,4 +1,4 @@
-"""Decode speed of whole models on the GPU, eager and from a CUDA graph: ``python -m tileinfer.bench.decode``.
+"""Decode speed of whole models on the GPU, eager and from a CUDA graph: ``python -m benchmarks.decode``.
 
 For random-weight models with the shapes of registered models (the ``config`` of
 ``conf/model/NAME.yaml``, :func:`tileinfer.core.registry.model_config`; decode speed does not depend
@@ -13,7 +13,7 @@ back in between.
 
 The roofline of a step is the bytes it must read (every weight once, the lm_head included, the
 embedding table not; plus the KV cache of ``ctx`` positions) over the copy bandwidth measured in
-the same run (``tileinfer.bench.ops.measure_ceilings``). Prints and saves a table (Markdown and
+the same run (``benchmarks.ops.measure_ceilings``). Prints and saves a table (Markdown and
 Parquet): ms per token, tok/s, the roofline's tok/s, the fraction of it reached, and graph / eager.
 What cuTile's programmatic dependent launch gains: the same run with ``TILEINFER_CUTILE_PDL=0``.
 """
@@ -26,8 +26,8 @@ import time
 
 import torch
 
+from benchmarks.ops import measure_ceilings, save
 from quantize import NAMED, apply, named_scheme
-from tileinfer.bench.ops import measure_ceilings, save
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.errors import UserError
 from tileinfer.core.registry import model_config, model_entry
@@ -187,7 +187,7 @@ def refuse_unknown(p: argparse.ArgumentParser, quants: str, known, models: str) 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tileinfer.bench.decode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-0.6b-random,qwen3-4b-random,qwen3-8b-random")
     p.add_argument("--backends", default="triton,cutile")
     p.add_argument("--quants", default="bf16,int8_both", help=f"of {', '.join(NAMED)}")

@@ -1,4 +1,4 @@
-"""How long one sweep job takes, per ctx, before starting it: ``python -m tileinfer.bench.sweep_cost``.
+"""How long one sweep job takes, per ctx, before starting it: ``python -m benchmarks.sweep_cost``.
 
 A job's work per prompt (tileinfer.jobs.drift) is: the base prefill of ``ctx`` tokens, its greedy
 reply (``n_score`` decode steps), the reply run teacher-forced, then the same prefill and
@@ -20,8 +20,8 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.ops import save
 from quantize import NAMED, apply, named_scheme
-from tileinfer.bench.ops import save
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import UserError
@@ -83,7 +83,7 @@ def job_seconds(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tileinfer.bench.sweep_cost", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_cost", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="a registered model (its shapes)")
     p.add_argument("--ctx", default="1024,8192,32768", help="comma-separated prompt lengths")
     p.add_argument("--quant", default="int8_both", choices=list(NAMED), help="the candidate's preset")
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
     device = "cpu" if not torch.cuda.is_available() else "cuda"
     name = args.name or f"sweep-cost-{args.model}-{device}{torch.get_num_threads()}t"
-    save(rows, args.out, name, header=f"`python -m tileinfer.bench.sweep_cost {' '.join(sys.argv[1:])}`\n\n")
+    save(rows, args.out, name, header=f"`python -m benchmarks.sweep_cost {' '.join(sys.argv[1:])}`\n\n")
     print(f"saved {args.out}/{name}.md")
     return 0
 

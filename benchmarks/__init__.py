@@ -1,16 +1,20 @@
-"""Benchmark, profiling and ahead-of-time compile tooling for the ops backends (no kernels here).
+"""Benchmarks, profiling and the ahead-of-time compile of the ops backends, outside the package.
 
-* :mod:`.ops` - the op benchmark (``python -m tileinfer.bench.ops``): every op of each backend and
+Every tool here runs as a module from the checkout's root, ``python -m benchmarks.NAME`` (tests
+import them with the root on ``sys.path``, pytest's ``pythonpath``); the installed ``tileinfer``
+never imports this folder (an import-linter contract).
+
+* :mod:`.ops` - the op benchmark (``python -m benchmarks.ops``): every op of each backend and
   torch, timed from CUDA graphs against measured ceilings, with tile sweeps of both backends;
   its cases live in :mod:`.cases`;
 * :mod:`.profile` - Nsight Compute profile of those cases;
 * :mod:`.decode` - whole-model decode speed, eager and from a CUDA graph;
 * :mod:`.aot` - every kernel the models launch compiled ahead of time, Triton or cuTile
-  (``python -m tileinfer.bench.aot``; on the CPU for sm_90 it is the CI compile check).
+  (``python -m benchmarks.aot``; on the CPU for sm_90 it is the CI compile check).
 
 Shapes come from the model registry (:func:`tileinfer.core.registry.model_config`: the ``config``
-of ``conf/model/NAME.yaml``), with random weights (speed does not depend on the values). Results and
-kernel notes are kept outside the package, in the top-level ``benchmarks/`` folder.
+of ``conf/model/NAME.yaml``), with random weights (speed does not depend on the values). Results
+are in ``results/`` beside this file, kernel notes in ``NOTES.md`` and ``cutile-NOTES.md``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Step costs of speculative decoding, measured and modelled: ``python -m tileinfer.bench.spec``.
+"""Step costs of speculative decoding, measured and modelled: ``python -m benchmarks.spec``.
 
 Random-weight models with registered shapes (step speed does not depend on the values), BF16 and INT8
 (weights + KV cache), per backend and context: a prefill caches ``ctx`` random tokens, then on that
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from benchmarks.ops import save
 from quantize import QuantScheme, apply
-from tileinfer.bench.ops import save
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.registry import model_entry
@@ -239,7 +239,7 @@ def bench_model(name: str, plan: Plan, log=print) -> list[dict]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m tileinfer.bench.spec", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.spec", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-4b-random", help="registered models, comma-separated")
     p.add_argument("--quant", default="bf16,int8_both", help="bf16 and/or int8_both (INT8 weights + KV)")
     p.add_argument("--backends", default=None, help="default triton (reference with --cpu-smoke)")
@@ -277,10 +277,10 @@ def main(argv=None) -> int:
     slug = (where.lower().replace("nvidia", "").split() or ["cuda"])[0]  # "NVIDIA H200" -> h200, cpu
     name = a.name or f"{slug}-{time.strftime('%Y-%m-%d')}-spec-steps"  # as benchmarks/results names files
     header = (
-        f"`python -m tileinfer.bench.spec {' '.join(argv)}`\n\nSpeculative-decoding step costs on {where}"
+        f"`python -m benchmarks.spec {' '.join(argv)}`\n\nSpeculative-decoding step costs on {where}"
         f"{' (tiny --cpu-smoke shapes)' if a.cpu_smoke else ''}: ms are medians of {a.reps} calls after "
         f"{a.warmup} warm-up calls; tok_s_L* / speedup_L* are modelled from them (L tokens per verify step, "
-        "full: L = k + 1), forced_* measured with full acceptance (see tileinfer/bench/spec.py).\n\n"
+        "full: L = k + 1), forced_* measured with full acceptance (see benchmarks/spec.py).\n\n"
     )
     rows = []
     for model in a.models.split(","):

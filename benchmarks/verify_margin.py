@@ -1,4 +1,4 @@
-"""How far a verify step's logits move from a decode step's: ``python -m tileinfer.bench.verify_margin``.
+"""How far a verify step's logits move from a decode step's: ``python -m benchmarks.verify_margin``.
 
 Speculative decoding's exactness check (tileinfer.jobs.spec) calls a reply that parts from plain greedy
 decoding a near-tie when the target's top-1 led its top-2 by less than what rounding between the two

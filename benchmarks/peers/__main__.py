@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.peers.bench import main
+
+sys.exit(main())

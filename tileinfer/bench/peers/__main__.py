@@ -1,5 +1,0 @@
-import sys
-
-from tileinfer.bench.peers.bench import main
-
-sys.exit(main())
