@@ -88,7 +88,7 @@ def test_bad_corpora_are_one_line_user_errors(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "corpora,message",
-    [("[missing.txt]", "matches no local file"), ("[pydoc,pydoc]", "of another corpus or prompt set")],
+    [("[missing.txt]", "matches no local file"), ("[pydoc,pydoc]", "has the name 'pydoc' of corpus pydoc")],
 )
 def test_the_sweep_exits_2_on_a_bad_corpus(tmp_path, smollm2_gguf, corpora, message):
     out = subprocess.run(

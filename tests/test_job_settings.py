@@ -19,7 +19,10 @@ from tileinfer.core import progress
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
 from tileinfer.core.tokenizer import Tokenizer
-from tileinfer.jobs import job, schema, tables
+from evals.drift import PassResult, set_statistics
+from evals.evaluation import Item, ScoredSet
+from tileinfer.jobs import rows, schema
+from tileinfer.models.loading import content_sha256, load_model
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = REPO / "evals" / "data" / "stdlib" / "statistics.py.txt"
@@ -81,7 +84,7 @@ def test_a_local_model_runs_under_its_own_name(tmp_path, smollm2_gguf):
         f"runs_dir={tmp_path}/runs",
     )
     assert out.returncode == 0, out.stderr
-    df = tables.collect(tmp_path / "runs" / "rows")
+    df = rows.read(tmp_path / "runs" / "rows")
     assert df["model"].to_list() == ["mine"] and df["ctx"].to_list() == ["1000"]
     assert not list(local.parent.glob("*.json"))  # no cache beside the model file
 
@@ -98,7 +101,7 @@ def test_a_model_of_ones_own_config_dir_runs(tmp_path, smollm2_gguf):
         f"runs_dir={tmp_path}/runs",
     )
     assert out.returncode == 0, out.stderr
-    assert tables.collect(tmp_path / "runs" / "rows")["model"].to_list() == ["mine"]
+    assert rows.read(tmp_path / "runs" / "rows")["model"].to_list() == ["mine"]
 
 
 def test_a_quantized_checkpoint_is_refused_before_any_work(tmp_path):
@@ -108,7 +111,7 @@ def test_a_quantized_checkpoint_is_refused_before_any_work(tmp_path):
     write_checkpoint(tmp_path / "q8", sd, ck.hf_config, quantization_config(info))
     cfg = load(f"model.path={tmp_path / 'q8'}", "quant=bf16")
     with pytest.raises(UserError, match="is a quantized checkpoint"):
-        job.load_model(cfg, torch.device("cpu"))
+        load_model(cfg.model.name, cfg.model.source, cfg.model.config, torch.float32, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +128,11 @@ def test_text_prompts_get_a_bos_as_the_tokenizer_or_the_setting_says(
 ):
     monkeypatch.setattr(smollm2_tok, "add_bos_token", tokenizer_says, raising=False)
     cfg = load(f"eval.add_bos={setting}", f"eval.prompt_sets=[{TEXT}]")
-    (prompt,) = job.prompt_sets(cfg, smollm2_tok, 64)["statistics.py"]
-    assert len(prompt) == 64
-    assert (prompt[0] == smollm2_tok.bos_token_id) == expect
-    assert job.add_bos(cfg, smollm2_tok) == expect
+    (scored,) = cfg.evaluation().scored_sets(smollm2_tok, 64)
+    (item,) = scored.items
+    assert scored.name == "statistics.py" and len(item.prompt) == 64 and item.reply is None
+    assert (item.prompt[0] == smollm2_tok.bos_token_id) == expect
+    assert scored.identity["add_bos"] == expect
 
 
 def test_the_log_folders_of_two_commands_never_collide():
@@ -165,11 +169,13 @@ def test_repetition_measure():
 
 
 def test_rows_record_repetition_and_flag_a_degenerate_window():
-    summary = {"kl_mean": 0.1, "greedy_agree_len": 3, "n_scored": 60, "decode_rep_tok_s": [9.0, 10.0]}
-    per_pos = {"kl": torch.zeros(60), "top1_agree": torch.ones(60), "dp": torch.zeros(60)}
-    kw = dict(device=torch.device("cpu"), weights_bytes=1, kv_bytes=1, wall_s=1.0, kl_estimate="exact", fallbacks=[])
-    looped = tables.make_row({}, [(summary, per_pos)], replies=[[1, 2, 3, 4, 5, 6] * 10], **kw)
-    prose = tables.make_row({}, [(summary, per_pos)], replies=[list(range(60))], **kw)
+    per_pos = {k: torch.zeros(60) for k in ("kl", "rkl", "dp", "p_base", "p_cand", "logp_base", "logp_cand")}
+    per_pos |= {"top1_agree": torch.ones(60, dtype=torch.bool), "argmax_base": torch.zeros(60, dtype=torch.long)}
+    per_pos |= {"argmax_cand": torch.zeros(60, dtype=torch.long)}
+    passes = [PassResult(per_pos, 1.0, [1.0], 2, [0, 0], [])]
+    scored = ScoredSet("s", (Item((1,) * 8, None, 60),), "prompt", {}, 1, "n60")
+    looped, _ = set_statistics(scored, passes, [[1, 2, 3, 4, 5, 6] * 10])
+    prose, _ = set_statistics(scored, passes, [list(range(60))])
     assert looped["degenerate"] and looped["reply_repeat_frac"] > DEGENERATE_REPEAT
     assert not prose["degenerate"] and prose["reply_repeat_frac"] == 0.0
 
@@ -221,22 +227,22 @@ def test_a_prompt_file_named_like_a_built_in_set_is_refused(tmp_path, smollm2_to
     f = tmp_path / "edit.txt"
     f.write_text(TEXT.read_text())
     with pytest.raises(UserError, match="name of the built-in prompt set 'edit'"):
-        job.prompt_sets(load(f"eval.prompt_sets=[{f}]"), smollm2_tok, 64)
+        load(f"eval.prompt_sets=[{f}]").evaluation().scored_sets(smollm2_tok, 64)
 
 
-def test_add_bos_without_a_prompt_file_is_refused(smollm2_tok):
+def test_add_bos_without_a_prompt_file_is_refused():
     with pytest.raises(UserError, match="eval.add_bos=true applies to prompt files"):
-        job.prompt_sets(load("eval.add_bos=true"), smollm2_tok, 64)
+        load("eval.add_bos=true")
 
 
 def test_a_local_model_edited_in_place_is_another_model(tmp_path):
     """Same size, same time stamps, other bytes: another fingerprint (the row identity's model_sha256)."""
     f = tmp_path / "m.gguf"
     f.write_bytes(b"a" * 4096)
-    cfg = load(f"model.path={f}")
-    before, stat = job.model_fingerprint(cfg, f), f.stat()
+    source = load(f"model.path={f}").model.source
+    before, stat = content_sha256(source, None, f), f.stat()
     f.write_bytes(b"a" * 4095 + b"b")
     os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert job.model_fingerprint(cfg, f) != before
+    assert content_sha256(source, None, f) != before
     f.write_bytes(b"a" * 4096)
-    assert job.model_fingerprint(cfg, f) == before
+    assert content_sha256(source, None, f) == before

@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_module
 from tileinfer.core import registry
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
-from tileinfer.jobs import identity, job, schema, tables
+from tileinfer.engine import runner
+from tileinfer.jobs import identity, rows, schema
 from tileinfer.jobs.schema import Config
 
 
@@ -66,6 +67,10 @@ def test_bad_settings_are_refused_with_one_line(override, message):
 def test_wrong_types_are_refused_while_composing():
     with pytest.raises(Exception, match="n_score"):
         load("eval.n_score=abc")
+    with pytest.raises(Exception, match="n_windows"):  # a setting of another evaluation
+        load("eval.n_windows=4")
+    with pytest.raises(Exception, match="n_score"):
+        load("eval=corpus", "eval.n_score=4")
     with pytest.raises(Exception, match="kv.unknown_key"):
         load("kv.unknown_key=1")
 
@@ -97,7 +102,7 @@ def test_identity_subsets_are_disjoint_and_the_gate_ignores_only_timing_machine_
 
 
 def test_a_written_row_holds_every_identity_column():
-    # the committed baseline was written by tables.make_row (python -m tileinfer.gate --update-baseline)
+    # the committed baseline was written by tileinfer.jobs.rows.make_row (python -m tileinfer.gate --update-baseline)
     row = pl.read_parquet("evals/baselines/smollm2-135m.parquet").row(0, named=True)
     assert set(identity.IDENTITY) <= set(row)
 
@@ -111,8 +116,8 @@ def test_old_rows_load_under_the_new_column_names(tmp_path):
         "p_ref_mean": 0.5,
         "kl_mean": 0.0,
     }
-    tables.atomic_parquet(pl.DataFrame([old]), tmp_path / "rows" / "old.parquet")
-    df = tables.collect(tmp_path)
+    rows.atomic_parquet(pl.DataFrame([old]), tmp_path / "rows" / "old.parquet")
+    df = rows.read(tmp_path)
     assert df["base"][0] == old["reference"] and df["ppl_base"][0] == 3.0 and df["p_base_mean"][0] == 0.5
     assert "reference" not in df.columns
 
@@ -149,6 +154,6 @@ def test_auto_backend_is_the_fast_path_where_there_is_one(monkeypatch, device, i
         if name not in installed:
             raise UserError(f"backend {name!r} is not available here")
 
-    monkeypatch.setattr(job.ops, "get_backend", get_backend)
-    assert job.resolve_backend("auto", torch.device(device)) == expected
-    assert job.resolve_backend("cutile", torch.device(device)) == "cutile"  # a named backend is kept
+    monkeypatch.setattr(runner, "get_backend", get_backend)
+    assert runner.resolve_backend("auto", torch.device(device)) == expected
+    assert runner.resolve_backend("cutile", torch.device(device)) == "cutile"  # a named backend is kept

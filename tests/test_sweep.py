@@ -8,7 +8,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tileinfer.jobs import tables
+from evals.drift import speed_columns
+from tileinfer.jobs import rows
 
 REPO = Path(__file__).resolve().parent.parent
 SHORT = [
@@ -42,7 +43,7 @@ def runs(tmp_path_factory, smollm2_gguf):
 
 
 def test_sweep_writes_one_row_per_config_and_prompt_set(runs):
-    df = tables.collect(runs / "rows")
+    df = rows.read(runs / "rows")
     assert len(df) == 8 and set(df["quant"]) == {"bf16", "int8_weights", "int8_kv", "int8_both"}
     assert set(df["prompt_set"]) == {"edit", "explain"}
     assert (df["ctx_tokens"] == 1024).all() and (df["n_scored"] > 0).all()
@@ -51,7 +52,7 @@ def test_sweep_writes_one_row_per_config_and_prompt_set(runs):
 
 
 def test_bf16_against_itself_is_exactly_zero_and_int8_is_finite_positive(runs):
-    df = tables.collect(runs / "rows")
+    df = rows.read(runs / "rows")
     bf16 = df.filter(pl.col("quant") == "bf16")
     assert (bf16["kl_max"] == 0).all() and (bf16["top1_agree"] == 1).all()
     assert (bf16["greedy_agree_len"] == bf16["n_scored"]).all()
@@ -61,7 +62,7 @@ def test_bf16_against_itself_is_exactly_zero_and_int8_is_finite_positive(runs):
 
 
 def test_decode_speed_is_the_median_of_the_timed_repetitions_with_their_spread(runs):
-    df = tables.collect(runs / "rows")
+    df = rows.read(runs / "rows")
     assert (df["decode_repeats"] == 5).all() and (df["decode_reps"] == 5 * df["n_prompts"]).all()
     assert (df["decode_tok_s_min"] <= df["decode_tok_s"]).all() and (df["decode_tok_s"] <= df["decode_tok_s_max"]).all()
     assert ((df["decode_ms_per_tok"] * df["decode_tok_s"] - 1e3).abs() < 1e-6).all()
@@ -69,12 +70,12 @@ def test_decode_speed_is_the_median_of_the_timed_repetitions_with_their_spread(r
 
 def test_speed_columns_take_the_median_of_every_repetition():
     # an odd and an even count, and one slow outlier that a mean would follow
-    assert tables.speed_columns([10.0, 30.0, 20.0]) == dict(
+    assert speed_columns([10.0, 30.0, 20.0]) == dict(
         decode_tok_s=20.0, decode_ms_per_tok=50.0, decode_tok_s_min=10.0, decode_tok_s_max=30.0, decode_reps=3
     )
-    assert tables.speed_columns([100.0, 100.0, 2.0, 100.0])["decode_tok_s"] == 100.0
-    assert tables.speed_columns([1.0, 2.0, 4.0, 8.0])["decode_tok_s"] == 3.0
-    none = tables.speed_columns([])
+    assert speed_columns([100.0, 100.0, 2.0, 100.0])["decode_tok_s"] == 100.0
+    assert speed_columns([1.0, 2.0, 4.0, 8.0])["decode_tok_s"] == 3.0
+    none = speed_columns([])
     assert none["decode_reps"] == 0 and all(v != v for k, v in none.items() if k != "decode_reps")
 
 
@@ -87,7 +88,7 @@ def test_rerun_skips_finished_rows(runs):
 
 def test_smoothing_switch_makes_a_separate_row(runs):
     sweep(runs, "quant=int8_kv", "quant.smooth_keys=false")
-    df = tables.collect(runs / "rows").filter(pl.col("quant") == "int8_kv")
+    df = rows.read(runs / "rows").filter(pl.col("quant") == "int8_kv")
     assert sorted(df["smooth_keys"].to_list()) == [False, False, True, True]
 
 
@@ -113,7 +114,7 @@ def test_two_prompt_files_of_one_name_are_refused(tmp_path):
         (tmp_path / d).mkdir()
         (tmp_path / d / "doc.txt").write_text(text)
     out = sweep(tmp_path, f"eval.prompt_sets=[{tmp_path}/a/doc.txt,{tmp_path}/b/doc.txt]", check=False)
-    assert out.returncode == 2 and "has the name 'doc' of another one" in out.stderr, out.stderr
+    assert out.returncode == 2 and "b/doc.txt has the name 'doc' of prompt set" in out.stderr, out.stderr
     assert not list(tmp_path.rglob("*.parquet"))
 
 

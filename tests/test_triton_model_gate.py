@@ -7,7 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from quantize import QuantScheme, apply
-from tileinfer import gate
+from evals import verdicts
 from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
@@ -48,4 +48,4 @@ def test_triton_model_passes_the_gate_against_the_reference_backend(dtype, quant
     ref = full_logits(ModelRunner(model, "reference", **kw), tokens, 64)
     stats, _ = drift(ModelRunner(model, "triton", **kw), ref, decode_steps=2)
     row = dict(stats, prompt_set="random", dtype=str(dtype).removeprefix("torch."), kv_cache="int8" if int8 else "bf16")
-    assert [v for v in gate.kernel_checks(row, GATE) if v["verdict"] == gate.FAIL] == [], stats
+    assert [v for v in verdicts.kernel_checks(row, GATE) if v["verdict"] == verdicts.FAIL] == [], stats

@@ -111,6 +111,7 @@ class Invocation:
     jobs: tuple[tuple[str, ...], ...] = ()
     configs: tuple[Config, ...] = ()
     cpu_workers: int | None = 1
+    labels: tuple[str, ...] = ()  # each job's overrides of the keys a multirun sweeps
 
     @property
     def informational(self) -> bool:
@@ -167,23 +168,24 @@ def parse(prog: str, argv: list[str], config_name: str, aliases: dict[str, str] 
     except UserError:
         raise
     except Exception as e:  # Hydra's parse, composition and type errors, in one line
-        raise UserError(_launcher_hint(args.overrides) or _group_hint(e) or _first_line(e)) from None
+        raise UserError(_launcher_hint(parsed) or _group_hint(e) or _first_line(e)) from None
     finally:
         GlobalHydra.instance().clear()
     for cfg in configs:  # Hydra makes its log folder there before any job runs
         files.check_writable(cfg.runs_dir)
     workers = _check_launcher(launcher) if args.multirun else 1
-    return Invocation(prog, inv.config_name, args, tuple(map(tuple, jobs)), tuple(configs), workers)
+    swept = tuple(f"{o.get_key_element()}=" for o in parsed if o.is_sweep_override())  # as split_arguments writes
+    labels = tuple(" ".join(o for o in job if o.startswith(swept)) or "(defaults)" for job in jobs)
+    return Invocation(prog, inv.config_name, args, tuple(map(tuple, jobs)), tuple(configs), workers, labels)
 
 
-def _launcher_hint(overrides: list[str]) -> str | None:
-    """The install hint for a ``hydra/launcher`` whose plugin is missing."""
-    for o in overrides:
-        key, _, value = o.partition("=")
-        if key == "hydra/launcher" and value in LAUNCHERS:
+def _launcher_hint(parsed) -> str | None:
+    """The install hint for a ``hydra/launcher`` (of the parsed overrides) whose plugin is missing."""
+    for o in parsed:
+        value = o.get_value_element_as_str() if o.get_key_element() == "hydra/launcher" else None
+        if value in LAUNCHERS and importlib.util.find_spec(f"hydra_plugins.{LAUNCHERS[value][0]}") is None:
             plugin, extra = LAUNCHERS[value]
-            if importlib.util.find_spec(f"hydra_plugins.{plugin}") is None:
-                return f'hydra/launcher={value} needs {plugin.replace("_", "-")}: pip install -e ".[{extra}]"'
+            return f'hydra/launcher={value} needs {plugin.replace("_", "-")}: pip install -e ".[{extra}]"'
     return None
 
 
@@ -264,8 +266,14 @@ class Task:
     it ends, and returns an :class:`Outcome` (an error in the user's input included, so a multirun
     goes on with its other jobs). Launchers pickle it for their worker processes."""
 
-    def __init__(self, prog: str, job: Job, n_jobs: int, cpu_workers: int | None):
-        self.prog, self.job, self.n_jobs, self.cpu_workers = prog, job, n_jobs, cpu_workers
+    def __init__(self, prog: str, job: Job, inv: Invocation):
+        self.prog, self.job, self.n_jobs, self.cpu_workers, self.swept = (
+            prog,
+            job,
+            len(inv.jobs),
+            inv.cpu_workers,
+            inv.swept,
+        )
         self.worker = Worker()
         self.started: float | None = None
 
@@ -292,7 +300,11 @@ class Task:
             print(f"{self.prog}: error: {line}", file=sys.stderr, flush=True)
             out = Outcome(overrides, time.monotonic() - t0, error=line)
         if multirun:
-            print(f"job done {hc.job.num + 1}/{self.n_jobs} (wall {out.wall_s:.1f} s): {_figures(out)}", flush=True)
+            label = self.labels[hc.job.num]
+            print(
+                f"job done {hc.job.num + 1}/{self.n_jobs} (wall {out.wall_s:.1f} s): {label} | {_figures(out)}",
+                flush=True,
+            )
             return Outcome(out.overrides, out.wall_s, out.result, out.code, out.error, hc.sweep.dir)
         return out
 
@@ -333,7 +345,7 @@ def run(inv: Invocation, job: Job) -> list[Outcome]:
     """Run the checked jobs of ``inv`` through Hydra (its launcher; the GPUs of this host go to the
     workers it starts: :func:`tileinfer.core.gpu_slots.export_pool`) and return their outcomes in
     job order. An informational command line (``--help``, ``--cfg job``) is Hydra's to print."""
-    task = Task(inv.prog, job, len(inv.jobs), inv.cpu_workers)
+    task = Task(inv.prog, job, inv)
     if inv.informational:
         _run_hydra(
             args=inv.args,

@@ -24,8 +24,8 @@ import torch
 
 from evals.base_store import StoredBase
 from tileinfer import cli
+from tileinfer.core.provenance import device_name, git_commit
 from tileinfer.jobs import plan
-from tileinfer.jobs.rows import device_name, git_commit
 from tileinfer.jobs.schema import Config
 
 

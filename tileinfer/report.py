@@ -246,8 +246,7 @@ def drift_table(rows: pl.DataFrame) -> tuple[str, list[str]]:
         notes.append(
             "some KL values are estimates (see the KL estimate column), not exact sums over the vocabulary: "
             "topkK+tail is the KL of the distributions coarsened to the base's top K tokens plus the rest, "
-            "a lower bound of the exact KL (measured on SmolLM2 INT8 weights: mean KL 9.6% low at K=64, "
-            "4.8% at K=256; 99.9% KL 2.7% low at K=64; tests/test_base_logits.py)."
+            "a lower bound of the exact KL (how much lower: docs/rows.md)."
         )
     return md_table(head, cells), notes
 

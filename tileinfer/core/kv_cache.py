@@ -139,7 +139,10 @@ class BlockManager:
             UserError: the pool has fewer than ``n`` free pages (the cache is sized too small).
         """
         if n > len(self._free):
-            raise UserError(f"KV cache out of pages: need {n}, {len(self._free)} free; raise kv.num_pages or lower ctx")
+            raise UserError(
+                f"KV cache out of pages: need {n}, {len(self._free)} free; the pool holds "
+                "the sequences the runner was sized for (max_seq_len): lower ctx"
+            )
         return [self._free.pop() for _ in range(n)]
 
     def free(self, pages: list[int]) -> None:

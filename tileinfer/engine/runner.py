@@ -18,11 +18,37 @@ from tileinfer.core.errors import UserError
 from tileinfer.core.kv_cache import BlockManager, PagedKVCache, Sequence
 from tileinfer.core.progress import progress_bar
 from tileinfer.models import Transformer
-from tileinfer.ops import get_backend
+from tileinfer.ops import BACKENDS, get_backend
 
 # Most tokens of a step replayed from a CUDA graph: the fast backends' attention runs steps of up to 16
 # tokens on the split-KV decode kernels, which read every position from the device (capturable).
 GRAPH_MAX_TOKENS = 16
+
+
+def resolve_device(name: str, backend: str) -> torch.device:
+    """``auto`` picks CUDA when present. Raises UserError for a GPU backend without a GPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA GPU is visible")
+    if backend not in ("reference", "auto") and name != "cuda":
+        raise UserError(f"backend={backend} needs a CUDA GPU; use backend=reference on the CPU")
+    return torch.device(name)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The backend a job runs: ``name``, or for ``auto`` the fast path where there is one: Triton on
+    CUDA (cuTile when Triton is not installed), the reference backend on the CPU."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        for fast in (b for b in BACKENDS if b != "reference"):  # in order of preference
+            try:
+                get_backend(fast)
+                return fast
+            except UserError:  # toolchain not installed
+                continue
+    return "reference"
 
 
 def uses_cuda_graph(requested: bool, device: torch.device, ops) -> bool:

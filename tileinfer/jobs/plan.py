@@ -21,38 +21,12 @@ from quantize import QuantScheme, calibration_text
 from tileinfer import ops
 from tileinfer.core import gpu_slots
 from tileinfer.core.errors import UserError
-from tileinfer.engine.runner import uses_cuda_graph
+from tileinfer.core.provenance import device_name
+from tileinfer.engine.runner import resolve_backend, resolve_device, uses_cuda_graph
 from tileinfer.engine.snapshots import Snapshots
 from tileinfer.jobs import identity
-from tileinfer.jobs.rows import device_name
 from tileinfer.jobs.schema import Config
 from tileinfer.jobs.worker import Worker, draft_group
-
-
-def resolve_device(name: str, backend: str) -> torch.device:
-    """``auto`` picks CUDA when present. Raises UserError for a GPU backend without a GPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("device=cuda but no CUDA GPU is visible")
-    if backend not in ("reference", "auto") and name != "cuda":
-        raise UserError(f"backend={backend} needs a CUDA GPU; use backend=reference on the CPU")
-    return torch.device(name)
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    """The backend a job runs: ``name``, or for ``auto`` the fast path where there is one: Triton on
-    CUDA (cuTile when Triton is not installed), the reference backend on the CPU."""
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        for fast in (b for b in ops.BACKENDS if b != "reference"):  # in order of preference
-            try:
-                ops.get_backend(fast)
-                return fast
-            except UserError:  # toolchain not installed
-                continue
-    return "reference"
 
 
 def quant_label(name: str, scheme: QuantScheme) -> str:

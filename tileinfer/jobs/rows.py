@@ -10,8 +10,6 @@ position (for plots, paired differences and intervals). The row's presence marks
 from __future__ import annotations
 
 import io
-import platform
-import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,30 +19,8 @@ import torch
 
 from tileinfer.core import files
 from tileinfer.core.errors import UserError
+from tileinfer.core.provenance import git_commit
 from tileinfer.jobs.identity import ADDED, IDENTITY, RENAMED
-
-REPO = Path(__file__).resolve().parents[2]  # the checkout (site-packages when installed: commit unknown)
-
-
-def git_commit() -> str:
-    """Short commit of the code that ran, ``-dirty`` when it had uncommitted changes."""
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-        ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name on CUDA, else the CPU's."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
 
 
 def make_row(key: dict, statistics: dict, columns: dict, wall_s: float) -> dict:

@@ -44,7 +44,8 @@ def _fmt(df: pl.DataFrame, shown=SHOWN) -> pl.DataFrame:
     """The ``shown`` columns, sorted, as text: KL in scientific notation (values span 1e-7..1), top-1
     agreement in percent, speeds to one decimal, greedy agreement lengths as counts."""
     cols = [c for c in shown if c in df.columns]
-    df = df.sort([c for c in ("model", "ctx_tokens", "ctx", "prompt_set", "quant") if c in df.columns]).select(cols)
+    keys = [c for c in ("model", "ctx_tokens", "ctx", "prompt_set", "quant") if c in df.columns]
+    df = df.sort(keys, maintain_order=True).select(cols)
     text = {c: (lambda v: f"{v:.2e}") for c in cols if c.startswith("kl_")}
     text |= {
         "top1_agree": lambda v: f"{100 * v:.2f}%",
@@ -109,18 +110,16 @@ def _repeat(frac, degenerate) -> str:
     return (f"{100 * frac:.0f}%" if frac is not None else "") + (" !" if degenerate else "")
 
 
-def _printed(df: pl.DataFrame) -> tuple[str, pl.DataFrame]:
-    """The line of identity columns that hold one value (``model=... backend=...``) and the table of
-    the ones that vary beside :data:`PRINTED` (quant names its key smoothing: ``int8_kv+smooth``)."""
-    df = _quant_label(df)
-    ident = [c for c in PRINTED_IDENTITY if c in df.columns]
-    constant = [c for c in ident if df[c].n_unique() == 1]
-    shown = [c for c in ident if c not in constant] + PRINTED
-    if {"degenerate", "reply_repeat_frac"} & set(df.columns):
-        cols = [(pl.col(c) if c in df.columns else pl.lit(None)).alias(c) for c in ("reply_repeat_frac", "degenerate")]
-        df = df.with_columns(repeat=pl.Series([_repeat(f, d) for f, d in df.select(cols).iter_rows()], dtype=pl.String))
-        shown.append("repeat")
-    return " ".join(f"{c}={df[c][0]}" for c in constant), _fmt(df, shown)
+def _exact(exact, step, margin, dtype) -> str:
+    """The ``exact`` cell of a speculative row: ``yes``; ``tie@N`` (it first differs at step N, where the
+    target's top two logits were within the near-tie margin of the row's dtype: rounding); ``NO@N`` (a
+    wider margin, or none known: a bug); ``–`` when verification samples."""
+    if exact is None:
+        return "–"
+    if exact:
+        return "yes"
+    tie = margin is not None and margin <= tie_margin(dtype)  # an unknown or NaN margin is no tie
+    return ("tie" if tie else "NO") + ("" if step is None else f"@{step}")
 
 
 def print_table(df: pl.DataFrame, where=None) -> None:
@@ -128,74 +127,46 @@ def print_table(df: pl.DataFrame, where=None) -> None:
     one value (``model=... backend=... device=...``), a table of those that vary beside mean and 99%
     KL, top-1 agreement, greedy agreement length, decode speed and (rows that measured it) the
     repetition of the scored reply, a warning naming degenerate windows (:func:`degenerate_note`),
-    and where the rows are.
+    and where the rows are (``where``: their folder, or their files).
 
     When a row speculates (``spec`` other than ``none``), the table is one row per proposer setting
     too and trades 99% KL, top-1 agreement and greedy agreement length (the same as the plain row's)
     for ``spec``, ``spec_k``, ``acc_len`` (mean acceptance length), ``speedup`` (over the plain decode
-    speed shown) and ``exact`` (``yes``: the greedy speculative reply is the plain one; ``tie@N``: it
-    first differs at step N where the target's top two logits were within the near-tie margin of the
-    row's dtype (``evals.verdicts.tie_margin``), rounding; ``NO@N``:
-    a wider margin, a bug, also named in a warning).
-
-    Args:
-        df: rows (:func:`make_row`).
-        where: the folder of the rows, or their files (their common folder is named); None: not said.
+    speed shown) and ``exact`` (:func:`_exact`; a ``NO`` is also named in a warning).
     """
-    spec = pl.col("spec").cast(pl.String).fill_null("none") if "spec" in df.columns else None
-    mismatch = None
-    if spec is None or not df.select(spec.ne("none").any()).item():
-        head, table = _printed(df)
-        note = degenerate_note(df)
-    else:
-        order = list(PROPOSERS)
-        df = df.with_columns(spec).sort(
-            [c for c in ("model", "ctx_tokens", "ctx", "prompt_set", "quant") if c in df.columns]
-            + [pl.col("spec").replace_strict(order, list(range(len(order))), default=len(order)), "spec"]
-            + [c for c in ("spec_k", "spec_settings", "spec_temperature") if c in df.columns],
-            maintain_order=True,
-        )
-        cells, bad = {"spec_k": [], "acc_len": [], "speedup": [], "exact": []}, 0
+    n = len(df)
+    if "spec" in df.columns:
+        df = df.with_columns(pl.col("spec").cast(pl.String).fill_null("none"))
+    speculative = "spec" in df.columns and df["spec"].ne("none").any()
+    note, mismatch, shown = degenerate_note(df.filter(pl.col("spec") == "none") if speculative else df), None, PRINTED
+    df = _quant_label(df)
+    if speculative:  # each configuration's plain row, then its proposers in table order
+        order, keys = list(PROPOSERS), [c for c in ("spec_k", "spec_settings", "spec_temperature") if c in df.columns]
+        rank = pl.col("spec").replace_strict(order, list(range(len(order))), default=len(order))
+        df = df.sort(rank, "spec", *keys, maintain_order=True, nulls_last=False)
         cols = ["spec_k", "spec_acceptance_length", "spec_speedup", "spec_exact", "spec_first_mismatch"]
         cols = [
-            pl.col(c) if c in df.columns else pl.lit(None).alias(c) for c in [*cols, "spec_mismatch_margin", "dtype"]
+            pl.col(c) if c in df.columns else pl.lit(None).alias(c) for c in (*cols, "spec_mismatch_margin", "dtype")
         ]
-        for name, k, length, speedup, exact, step, margin, dtype in df.select("spec", *cols).iter_rows():
+        cells = {"spec_k": [], "acc_len": [], "speedup": [], "exact": []}
+        for name, k, length, speedup, *exact in df.select("spec", *cols).iter_rows():
             plain = name == "none"
-            for c, v in (("spec_k", k), ("acc_len", length), ("speedup", speedup)):
-                cells[c].append("" if plain or v is None else f"{v}" if c == "spec_k" else f"{v:.2f}")
-            if plain or exact is None:
-                cells["exact"].append("" if plain else "–")  # sampled, or not measured
-            elif exact:
-                cells["exact"].append("yes")
-            else:
-                tie = margin is not None and margin <= tie_margin(dtype)  # an unknown or NaN margin is no tie
-                cells["exact"].append(("tie" if tie else "NO") + ("" if step is None else f"@{step}"))
-                bad += not tie
-        note = degenerate_note(  # once per configuration: its speculative rows score the same reply
-            df.unique(
-                [c for c in ("model", "quant", "smooth_keys", "ctx", "prompt_set", "backend") if c in df.columns],
-                keep="first",
-                maintain_order=True,
-            )
-        )
-        df = df.with_columns(pl.Series(c, v, dtype=pl.String) for c, v in cells.items()).with_row_index("_row")
-        # the identity columns that vary, mean KL and decode speed, the speculation, the repetition
-        labelled = _quant_label(df)
-        ident = [c for c in PRINTED_IDENTITY if c in df.columns]
-        constant = [c for c in ident if labelled[c].n_unique() == 1]
-        shown = [c for c in ident if c not in constant] + ["kl_mean", "decode_tok_s", "spec", *cells]
-        if {"degenerate", "reply_repeat_frac"} & set(df.columns):
-            rep = [
-                (pl.col(c) if c in df.columns else pl.lit(None)).alias(c) for c in ("reply_repeat_frac", "degenerate")
-            ]
-            repeat = [_repeat(f, d) for f, d in df.select(rep).iter_rows()]
-            labelled = labelled.with_columns(repeat=pl.Series(repeat, dtype=pl.String))
-            shown.append("repeat")
-        head = " ".join(f"{c}={labelled[c][0]}" for c in constant)
-        table = _fmt(labelled, [*shown, "_row"]).sort("_row").drop("_row")
-        if bad:  # named by the table's NO@N
+            cells["spec_k"].append("" if plain or k is None else str(k))
+            cells["acc_len"].append("" if plain or length is None else f"{length:.2f}")
+            cells["speedup"].append("" if plain or speedup is None else f"{speedup:.2f}")
+            cells["exact"].append("" if plain else _exact(*exact))
+        df = df.with_columns(pl.Series(c, v, dtype=pl.String) for c, v in cells.items())
+        if bad := sum(c.startswith("NO") for c in cells["exact"]):  # named by the table's NO@N
             mismatch = f"{bad} speculative row(s) parted from the plain greedy reply beyond a near-tie (NO@step)"
+        shown = ["kl_mean", "decode_tok_s", "spec", *cells]
+    ident = [c for c in PRINTED_IDENTITY if c in df.columns]
+    constant = [c for c in ident if df[c].n_unique() == 1]
+    shown = [c for c in ident if c not in constant] + shown
+    if {"degenerate", "reply_repeat_frac"} & set(df.columns):
+        cols = [(pl.col(c) if c in df.columns else pl.lit(None)).alias(c) for c in ("reply_repeat_frac", "degenerate")]
+        df = df.with_columns(repeat=pl.Series([_repeat(f, d) for f, d in df.select(cols).iter_rows()], dtype=pl.String))
+        shown.append("repeat")
+    table = _fmt(df, shown)
     with pl.Config(
         tbl_rows=-1,
         tbl_cols=-1,
@@ -204,11 +175,12 @@ def print_table(df: pl.DataFrame, where=None) -> None:
         tbl_width_chars=PRINT_WIDTH,
         fmt_str_lengths=40,
     ):
+        head = " ".join(f"{c}={df[c][0]}" for c in constant)
         lines = (head, str(table), note and f"warning: {note}", mismatch and f"warning: {mismatch}")
         print("\n".join(line for line in lines if line))
     if where is not None:
         folders = [where] if isinstance(where, (str, Path)) else [Path(p).parent for p in where]
-        print(f"{len(df)} row(s) in {os.path.commonpath(folders)}")
+        print(f"{n} row(s) in {os.path.commonpath(folders)}")
 
 
 def write_summary(df: pl.DataFrame, out_dir: Path) -> None:
