@@ -194,9 +194,7 @@ def _group_hint(e: Exception) -> str | None:
     text = str(e)
     if "Config group override must be a string" not in text:
         return None
-    return (
-        f"{text.splitlines()[0]}: a config group takes an option's name (ctx=1k, 8k, ...) or a setting (ctx.tokens=N)"
-    )
+    return f"{text.splitlines()[0]}: a group takes an option's name (ctx=1k, 8k, ...) or a setting (ctx.tokens=N)"
 
 
 def _check_launcher(launcher: dict) -> int | None:
@@ -267,13 +265,7 @@ class Task:
     goes on with its other jobs). Launchers pickle it for their worker processes."""
 
     def __init__(self, prog: str, job: Job, inv: Invocation):
-        self.prog, self.job, self.n_jobs, self.cpu_workers, self.swept = (
-            prog,
-            job,
-            len(inv.jobs),
-            inv.cpu_workers,
-            inv.swept,
-        )
+        self.prog, self.job, self.labels, self.cpu_workers = prog, job, inv.labels, inv.cpu_workers
         self.worker = Worker()
         self.started: float | None = None
 
@@ -284,11 +276,7 @@ class Task:
         overrides = tuple(hc.overrides.task)
         multirun = hc.mode == RunMode.MULTIRUN
         if multirun:
-            print(
-                f"=== job {self._progress(hc.job.num)}: {' '.join(overrides) or '(defaults)'} ===",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"=== job {self._progress(hc.job.num)}: {' '.join(overrides)} ===", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         try:
             result, code = self.job(schema.load(cfg), self.worker, JobContext(overrides, self.cpu_workers))
@@ -300,39 +288,34 @@ class Task:
             print(f"{self.prog}: error: {line}", file=sys.stderr, flush=True)
             out = Outcome(overrides, time.monotonic() - t0, error=line)
         if multirun:
-            label = self.labels[hc.job.num]
-            print(
-                f"job done {hc.job.num + 1}/{self.n_jobs} (wall {out.wall_s:.1f} s): {label} | {_figures(out)}",
-                flush=True,
-            )
+            k, n, label = hc.job.num + 1, len(self.labels), self.labels[hc.job.num]
+            print(f"job done {k}/{n} (wall {out.wall_s:.1f} s): {label} | {_figures(out)}", flush=True)
             return Outcome(out.overrides, out.wall_s, out.result, out.code, out.error, hc.sweep.dir)
         return out
 
     def _progress(self, num: int) -> str:
         """``k/N``, and in one process (Hydra's basic launcher) the time so far and a rough estimate of
         the rest (the mean time per job so far; reused rows make it an upper bound)."""
-        k, now = num + 1, time.monotonic()
+        k, n, now = num + 1, len(self.labels), time.monotonic()
         if self.cpu_workers != 1 or k == 1 or self.started is None:
             self.started = self.started or now
-            return f"{k}/{self.n_jobs}" + ("" if self.cpu_workers == 1 else f" in worker pid {os.getpid()}")
-        spent, left = now - self.started, self.n_jobs - k + 1
-        return f"{k}/{self.n_jobs}; {spent / 60:.1f} min so far, about {spent / (k - 1) * left / 60:.0f} min left"
+            return f"{k}/{n}" + ("" if self.cpu_workers == 1 else f" in worker pid {os.getpid()}")
+        spent = now - self.started
+        return f"{k}/{n}; {spent / 60:.1f} min so far, about {spent / (k - 1) * (n - k + 1) / 60:.0f} min left"
 
 
 FIGURES = (("kl_mean", "mean KL {:.1e}"), ("top1_agree", "top-1 {:.1%}"), ("decode_tok_s", "decode {:.0f} tok/s"))
 
 
 def _figures(out: Outcome) -> str:
-    """``quant=int8_both ctx=1k | mean KL 2.1e-03, top-1 97.5%, decode 230 tok/s``: a job's overrides
-    and the mean of its rows' figures."""
-    shown = " ".join(out.overrides) or "(defaults)"
+    """``mean KL 2.1e-03, top-1 97.5%, decode 230 tok/s``: the mean of a job's rows' figures, or its error."""
     if out.error is not None:
-        return f"{shown} | error: {out.error}"
+        return f"error: {out.error}"
     rows = getattr(out.result, "rows", ())
     means = {
         c: sum(r[c] for r in rows) / len(rows) for c, _ in FIGURES if rows and all(r.get(c) is not None for r in rows)
     }
-    return shown + " | " + ", ".join(text.format(means[c]) for c, text in FIGURES if c in means)
+    return ", ".join(text.format(means[c]) for c, text in FIGURES if c in means)
 
 
 def _terminate(signum, frame) -> None:
