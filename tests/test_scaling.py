@@ -23,7 +23,7 @@ import pytest
 from tests.tiny_models import make_tiny, write_gguf, write_tiny_tokenizer
 from tileinfer.core import gpu_slots
 from tileinfer.core.errors import UserError
-from tileinfer.jobs import tables
+from tileinfer.jobs import rows
 
 REPO = Path(__file__).resolve().parent.parent
 QUANTS = ["bf16", "int8_weights", "int8_kv", "int8_both"]
@@ -90,7 +90,7 @@ def run_sweep(tiny, runs, *launcher, check=True, **extra):
 
 def stable(runs: Path) -> pl.DataFrame:
     """The rows under ``runs`` without their timing columns, in a fixed order."""
-    df = tables.collect(runs / "rows")
+    df = rows.read(runs / "rows")
     return df.drop([c for c in df.columns if VOLATILE.search(c) or c == "row_file"]).sort("quant")
 
 
@@ -116,10 +116,10 @@ def test_joblib_workers_give_the_rows_of_a_serial_run_and_the_parent_prints_prog
     df, ref = stable(runs), stable(serial)
     assert len(df) == len(QUANTS) and df.equals(ref), (df, ref)
     # two workers timed on the CPU at once, and the rows say so (the serial run's timed alone)
-    assert set(tables.collect(runs / "rows")["device_workers"]) == {2}
-    assert set(tables.collect(serial / "rows")["device_workers"]) == {1}
+    assert set(rows.read(runs / "rows")["device_workers"]) == {2}
+    assert set(rows.read(serial / "rows")["device_workers"]) == {1}
     assert "warning: 2 workers share this CPU" in out.stderr
-    assert all(tables.is_complete_row(p) for p in tables.row_files(runs / "rows"))
+    assert all(rows.is_complete(p) for p in rows.row_files(runs / "rows"))
     got, want = positions(runs), positions(serial)
     assert got.keys() == want.keys() and all(got[k].equals(want[k]) for k in want)
     # progress: one line per finished job in the parent's output (jobs finish in any order), then the table
@@ -130,8 +130,8 @@ def test_joblib_workers_give_the_rows_of_a_serial_run_and_the_parent_prints_prog
         out.stdout
     )
     assert out.stdout.index("job done 4/4") < out.stdout.index("=== sweep summary (4 rows")
-    # a worker's job line names its worker, with no count or estimate of its own
-    assert re.search(r"=== job #\d in worker pid \d+: ", out.stderr) and not re.search(r"=== job \d/\d", out.stderr)
+    # a worker's job line names its worker, with no time estimate of its own (it sees only its own jobs)
+    assert re.search(r"=== job \d/4 in worker pid \d+: ", out.stderr) and "min left" not in out.stderr
 
 
 _HELD = []  # what a loky worker of the test below keeps between its tasks
@@ -141,7 +141,7 @@ def _worker_task(hold_mb: int, lift_guard: bool) -> int:
     """In a loky worker: optionally lift its leak guard as a sweep job does, keep ``hold_mb`` MB (as a
     sweep worker keeps its models for its next job), wait past loky's 1 s check interval; the pid."""
     if lift_guard:
-        from tileinfer.sweep import keep_worker_alive
+        from tileinfer.cli import keep_worker_alive
 
         keep_worker_alive()
     _HELD.append(bytearray(hold_mb << 20))
@@ -175,7 +175,8 @@ def test_a_killed_worker_loses_unfinished_jobs_only_and_a_rerun_completes_them(t
     try:
         deadline = time.monotonic() + 300
         # jobs 0 and 1 done, 2 and 3 started (Hydra made their folders): both workers are in a job
-        while not (len(list(runs.glob("logs/*/*/rows.json"))) == 2 and len(list(runs.glob("logs/*/[23]/.hydra"))) == 2):
+        done = lambda: len(rows.row_files(runs / "rows")) if (runs / "rows").is_dir() else 0  # noqa: E731
+        while not (done() == 2 and len(list(runs.glob("logs/*/[23]/.hydra"))) == 2):
             assert proc.poll() is None and time.monotonic() < deadline, "the sweep ended before both workers were busy"
             time.sleep(0.05)
         victim = int((slots / "gpu0.0.pid").read_text())
@@ -187,13 +188,13 @@ def test_a_killed_worker_loses_unfinished_jobs_only_and_a_rerun_completes_them(t
     assert proc.returncode != 0 and "TerminatedWorkerError" in output, output[-3000:]
     # loky shuts the broken pool down: the other worker is killed too, with the job it was running
     assert not _alive(other)
-    rows = tables.row_files(runs / "rows")
-    assert len(rows) == 2 and all(tables.is_complete_row(p) for p in rows)  # jobs 0 and 1, whole
-    before = {p: p.stat().st_mtime_ns for p in rows}
+    files = rows.row_files(runs / "rows")
+    assert len(files) == 2 and all(rows.is_complete(p) for p in files)  # jobs 0 and 1, whole
+    before = {p: p.stat().st_mtime_ns for p in files}
 
     out = run_sweep(tiny, runs, "hydra/launcher=gpus", "hydra.launcher.n_jobs=2", TILEINFER_GPUS="0,1")
     assert out.stdout.count("already done") == 2, out.stdout
-    assert {p: p.stat().st_mtime_ns for p in rows} == before  # kept, not computed again
+    assert {p: p.stat().st_mtime_ns for p in files} == before  # kept, not computed again
     assert stable(runs).equals(stable(serial))
 
 
@@ -222,7 +223,7 @@ def test_submitit_local_jobs_get_distinct_slots_though_submitit_gives_both_gpu_0
     # submitit's local executor set CUDA_VISIBLE_DEVICES=0 for both jobs; the claim moved one to GPU 1
     claims = sorted(re.findall(r"GPU slot (\d) \(CUDA_VISIBLE_DEVICES=(\d)(?:, was (\d))?\)", logs))
     assert claims == [("0", "0", ""), ("1", "1", "0")], logs
-    assert len(tables.row_files(runs / "rows")) == 2
+    assert len(rows.row_files(runs / "rows")) == 2
     assert len(re.findall(r"^job done \d/2 ", out.stdout, re.M)) == 2, out.stdout
 
 
@@ -284,9 +285,13 @@ def test_two_slots_on_one_gpu_know_they_share_it(tmp_path):
 @pytest.mark.parametrize(
     "args, pool, message",
     [
-        (["hydra/launcher=nonexistent"], None, "hydra/launcher=nonexistent: expected one of basic, gpus"),
+        (["hydra/launcher=nonexistent"], None, "Could not find 'hydra/launcher/nonexistent': available: basic"),
         (["hydra/launcher=gpus", "hydra.launcher.n_jobs=0"], None, "hydra.launcher.n_jobs=0: expected at least one"),
-        (["hydra/launcher=gpus", "hydra.launcher.n_jobs=abc"], None, "n_jobs=abc: expected a whole number"),
+        (
+            ["hydra/launcher=gpus", "hydra.launcher.n_jobs=abc"],
+            None,
+            "Value 'abc' of type 'str' could not be converted",
+        ),
         # more workers than slots: the one without a slot would wait for ever
         (["hydra/launcher=gpus", "hydra.launcher.n_jobs=3"], "0,1", "n_jobs=3 starts 3 workers for 2 GPU slot(s)"),
     ],
@@ -347,8 +352,8 @@ def test_two_commands_on_one_runs_dir_compute_a_row_once(tiny, tmp_path):
     outs = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sum("already done" in o for o, _ in outs) == 1, outs  # one computed it, the other found it
-    rows = tables.row_files(runs / "rows")
-    assert len(rows) == 1 and tables.is_complete_row(rows[0])
+    files = rows.row_files(runs / "rows")
+    assert len(files) == 1 and rows.is_complete(files[0])
 
 
 @pytest.mark.parametrize("end", ["exit", "sigkill"])
@@ -430,15 +435,15 @@ def counted(work):
         return work(*a, **k)
     return run
 
-if what == "stream":
-    from tileinfer.jobs import drift
-    load, met = drift.load_stream, []
-    def load_after_meeting(*a):
+if what == "base":
+    from evals.base_store import LiveBase
+    record, met = LiveBase._record, []
+    def record_after_meeting(*a):
         if not met:
             meet()
             met.append(1)
-        return load(*a)
-    drift.load_stream, drift.save_stream = load_after_meeting, counted(drift.save_stream)
+        return record(*a)
+    LiveBase._record, LiveBase._compute = record_after_meeting, counted(LiveBase._compute)
     sys.argv = ["tileinfer.sweep", *args]
     runpy.run_module("tileinfer.sweep", run_name="__main__", alter_sys=True)
 elif what == "pull":
@@ -477,14 +482,14 @@ def race(tmp_path: Path, what: str, *args: list[str]) -> list[str]:
     return [out for out, _ in outs]
 
 
-def test_two_jobs_racing_on_a_base_reply_generate_it_once(tiny, tmp_path):
+def test_two_jobs_racing_on_a_base_record_it_once(tiny, tmp_path):
     runs = tmp_path / "runs"
     job = [f"model.path={tiny / 'model'}", f"eval.prompt_sets=[{tiny / 'prompts.txt'}]", *SETTINGS, f"runs_dir={runs}"]
-    race(tmp_path, "stream", [*job, "quant=bf16"], [*job, "quant=int8_weights"])
-    assert len(list((runs / "cache" / "streams").rglob("*.json"))) == 1
+    race(tmp_path, "base", [*job, "quant=bf16"], [*job, "quant=int8_weights"])
+    assert len(list((runs / "cache" / "base").rglob("*.safetensors"))) == 1
     assert not list((runs / "cache").rglob("*.lock"))
-    df = tables.collect(runs / "rows")
-    assert len(df) == 2 and (df.filter(pl.col("quant") == "bf16")["kl_max"] == 0).all()  # both scored on that reply
+    df = rows.read(runs / "rows")
+    assert len(df) == 2 and (df.filter(pl.col("quant") == "bf16")["kl_max"] == 0).all()  # both scored on that base
 
 
 def test_two_processes_pulling_one_model_download_it_once(tmp_path):

@@ -173,7 +173,8 @@ def parse(prog: str, argv: list[str], config_name: str, aliases: dict[str, str] 
         GlobalHydra.instance().clear()
     for cfg in configs:  # Hydra makes its log folder there before any job runs
         files.check_writable(cfg.runs_dir)
-    workers = _check_launcher(launcher) if args.multirun else 1
+    slots = len(gpu_slots.pool())  # also refuses a malformed $TILEINFER_GPUS
+    workers = _check_launcher(launcher, slots) if args.multirun else 1
     swept = tuple(f"{o.get_key_element()}=" for o in parsed if o.is_sweep_override())  # as split_arguments writes
     labels = tuple(" ".join(o for o in job if o.startswith(swept)) or "(defaults)" for job in jobs)
     return Invocation(prog, inv.config_name, args, tuple(map(tuple, jobs)), tuple(configs), workers, labels)
@@ -197,13 +198,13 @@ def _group_hint(e: Exception) -> str | None:
     return f"{text.splitlines()[0]}: a group takes an option's name (ctx=1k, 8k, ...) or a setting (ctx.tokens=N)"
 
 
-def _check_launcher(launcher: dict) -> int | None:
+def _check_launcher(launcher: dict, slots: int) -> int | None:
     """How many jobs the launcher runs on this host at once: 1 for Hydra's basic launcher, joblib's
     ``n_jobs`` (negative: CPU count + 1 + n_jobs, as joblib counts), None for another launcher.
 
     Raises:
-        UserError: a joblib ``n_jobs`` that is not a positive count or exceeds the GPU slots: a worker
-            without a slot would wait for ever, since the others keep theirs until the multirun ends.
+        UserError: a joblib ``n_jobs`` that is not a positive count or exceeds the ``slots`` of the GPU
+            pool: a worker without a slot would wait for ever, as the others keep theirs to the end.
     """
     target = launcher["_target_"]
     if target.endswith(".BasicLauncher"):
@@ -214,7 +215,6 @@ def _check_launcher(launcher: dict) -> int | None:
     workers = n if n > 0 else (os.cpu_count() or 1) + 1 + n
     if n == 0 or workers < 1:
         raise UserError(f"hydra.launcher.n_jobs={n}: expected at least one worker")
-    slots = len(gpu_slots.pool())
     if slots and workers > slots:
         raise UserError(
             f"hydra.launcher.n_jobs={n} starts {workers} workers for {slots} GPU slot(s) of "
@@ -249,7 +249,7 @@ class JobContext:
 Job = Callable[[Config, Worker, JobContext], tuple[Any, int]]
 
 
-def _keep_worker_alive() -> None:
+def keep_worker_alive() -> None:
     """Lift the leak guard of joblib's loky workers in this process (a no-op elsewhere): a loky worker
     restarts itself once its memory grew 300 MB past its size after its first task, which a worker
     keeping models for its next jobs does on purpose (benchmarks/results/h200-2026-12-01-scaling.md)."""
@@ -271,7 +271,7 @@ class Task:
 
     def __call__(self, cfg: DictConfig) -> Outcome:
         gpu_slots.claim()  # first: before anything initialises CUDA
-        _keep_worker_alive()
+        keep_worker_alive()
         hc = HydraConfig.get()
         overrides = tuple(hc.overrides.task)
         multirun = hc.mode == RunMode.MULTIRUN
@@ -325,9 +325,9 @@ def _terminate(signum, frame) -> None:
 
 
 def run(inv: Invocation, job: Job) -> list[Outcome]:
-    """Run the checked jobs of ``inv`` through Hydra (its launcher; the GPUs of this host go to the
-    workers it starts: :func:`tileinfer.core.gpu_slots.export_pool`) and return their outcomes in
-    job order. An informational command line (``--help``, ``--cfg job``) is Hydra's to print."""
+    """Run the checked jobs of ``inv`` through Hydra (its launcher) and return their outcomes in job
+    order. A launcher whose jobs print elsewhere (submitit's) gets their progress lines printed here
+    when it returns. An informational command line (``--help``, ``--cfg job``) is Hydra's to print."""
     task = Task(inv.prog, job, inv)
     if inv.informational:
         _run_hydra(
@@ -338,13 +338,15 @@ def run(inv: Invocation, job: Job) -> list[Outcome]:
             config_name=inv.config_name,
         )
         return []
-    gpu_slots.export_pool()
     signal.signal(signal.SIGTERM, _terminate)
     hydra = _hydra(inv.args.config_dir)
     try:
         if inv.args.multirun:
             batches = hydra.multirun(inv.config_name, task, [*inv.args.overrides, "hydra.mode=MULTIRUN"])
-            return [r.return_value for batch in batches for r in batch]
+            outcomes = [r.return_value for batch in batches for r in batch]
+            for k, (label, out) in enumerate(zip(inv.labels, outcomes) if inv.cpu_workers is None else ()):
+                print(f"job done {k + 1}/{len(outcomes)} (wall {out.wall_s:.1f} s): {label} | {_figures(out)}")
+            return outcomes
         return [hydra.run(inv.config_name, task, [*inv.args.overrides, "hydra.mode=RUN"]).return_value]
     finally:
         GlobalHydra.instance().clear()
@@ -356,6 +358,7 @@ def main(prog: str, argv: list[str], config_name: str, job: Job, finish=None, al
     prints at the end (the sweep's summary)."""
     schema.register()
     with exit_on_error(prog):
+        gpu_slots.export_pool()  # the GPUs of this host, for the workers a launcher starts
         inv = parse(prog, argv, config_name, aliases)
         outcomes = run(inv, job)
         if finish is not None and outcomes:
