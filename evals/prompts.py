@@ -19,7 +19,8 @@ padding goes; the rendered string is split there, head and tail are encoded sepa
 encoded one file at a time, so the token ids at the two seams are those of the pieces encoded
 alone (they may differ from encoding the joined string, which no model cares about).
 
-Also: plain-text prompts from local files (:func:`load_text_prompts`, :func:`load_dataset_prompts`)
+Also: texts from local files (:func:`load_dataset_prompts`, the one reader of local text records,
+and :func:`load_text_prompts`, its prompt-file form)
 and the calibration text (:func:`calibration_text`). Everything is deterministic: no randomness,
 files are read in fixed order.
 
@@ -177,43 +178,21 @@ def build_prompt(tokenizer: Tokenizer, prompt_set: str, ctx_tokens: int) -> list
 
 
 def load_text_prompts(path: str | os.PathLike) -> list[str]:
-    """Read plain-text prompts from a local file.
-
-    ``.txt``: the whole file is one text. ``.jsonl``: one JSON object per non-blank line, the text
-    taken from its ``"text"`` field, else its ``"prompt"`` field. Order is kept.
+    """Plain-text prompts from one local ``.txt`` file (the whole file is one text) or ``.jsonl`` file
+    (one JSON object per non-blank line, its ``"text"`` field, else its ``"prompt"`` field), in order:
+    :func:`load_dataset_prompts` restricted to those two kinds of file.
 
     Raises:
-        UserError: missing file, other extension, bad JSON, a line without either field or with a
-            non-string value, or no texts at all.
+        UserError: a missing file, a folder, another extension, or any error of :func:`load_dataset_prompts`.
     """
     p = Path(path)
     if p.is_dir():
         raise UserError(f"prompt file {str(p)!r} is a folder, not a .txt or .jsonl file")
     if not p.is_file():
         raise UserError(f"prompt file {str(p)!r} does not exist")
-    suffix = p.suffix.lower()
-    if suffix not in (".txt", ".jsonl"):
+    if p.suffix.lower() not in (".txt", ".jsonl"):
         raise UserError(f"prompt file {str(p)!r}: expected a .txt or .jsonl file")
-    try:
-        content = _read(p)
-    except UnicodeDecodeError as e:
-        raise UserError(f"prompt file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if suffix == ".txt":
-        texts = [content]
-    else:
-        texts = []
-        # split on "\n" only: str.splitlines would also split inside JSON strings at U+2028 etc.
-        for lineno, line in enumerate(content.split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-            texts.append(_text_field(row, f"{p}:{lineno}"))
-    if not any(t.strip() for t in texts):
-        raise UserError(f"prompt file {str(p)!r} contains no text")
-    return texts
+    return load_dataset_prompts(p)
 
 
 def _text_field(row: object, where: str, field: str | None = None) -> str:
@@ -249,15 +228,10 @@ def build_text_prompt(tokenizer: Tokenizer, text: str, ctx_tokens: int) -> list[
     return ids[:ctx_tokens]
 
 
-# Local file type -> (datasets builder, extra builder arguments). "text" with sample_by="document"
-# makes each file one example, the same rule as load_text_prompts.
-_DATASET_BUILDERS = {
-    ".txt": ("text", {"sample_by": "document"}),
-    ".json": ("json", {}),
-    ".jsonl": ("json", {}),
-    ".parquet": ("parquet", {}),
-    ".csv": ("csv", {}),
-}
+# Local file types read by hand (a whole text; JSON lines, whose errors name their line), and those
+# read with datasets: file type -> (datasets builder, extra builder arguments).
+_BY_HAND = (".txt", ".jsonl")
+_DATASET_BUILDERS = {".json": ("json", {}), ".parquet": ("parquet", {}), ".csv": ("csv", {})}
 
 
 def _resolve_data_files(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -268,7 +242,9 @@ def _resolve_data_files(spec: str | os.PathLike | Sequence[str | os.PathLike]) -
         s = os.fspath(s)
         if os.path.isdir(s):
             found = sorted(
-                os.path.join(s, f) for f in os.listdir(s) if os.path.splitext(f)[1].lower() in _DATASET_BUILDERS
+                os.path.join(s, f)
+                for f in os.listdir(s)
+                if os.path.splitext(f)[1].lower() in (*_BY_HAND, *_DATASET_BUILDERS)
             )
         elif os.path.isfile(s):
             found = [s]
@@ -286,51 +262,38 @@ def _resolve_data_files(spec: str | os.PathLike | Sequence[str | os.PathLike]) -
     return files
 
 
-def load_dataset_prompts(
-    data_files: str | os.PathLike | Sequence[str | os.PathLike],
-    *,
-    field: str | None = None,
-    split: str = "train",
-    limit: int | None = None,
-    cache_dir: str | os.PathLike | None = None,
-) -> list[str]:
-    """Texts from local dataset files, read with the ``datasets`` library (no Hub access).
+def _read_by_hand(path: str, field: str | None) -> list[str]:
+    """A ``.txt`` file's whole text, or the texts of a ``.jsonl`` file's records (blank lines skipped;
+    split on "\\n" only: str.splitlines would also split inside JSON strings at U+2028 and others)."""
+    try:
+        content = _read(Path(path))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if path.lower().endswith(".txt"):
+        return [content]
+    texts = []
+    for lineno, line in enumerate(content.split("\n"), start=1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            texts.append(_text_field(row, f"{path}:{lineno}", field))
+    return texts
 
-    Args:
-        data_files: a file, a directory (its .txt/.json/.jsonl/.parquet/.csv files, sorted by
-            name), a glob pattern, or a list of these. All must have the same file type: ``.txt``
-            files are read whole, one text each (``datasets`` "text" builder,
-            ``sample_by="document"``); the others one text per record.
-        field: the record field holding the text; default "text", else "prompt".
-        split: the split ``datasets`` names the data; local files all land in "train".
-        limit: keep only the first ``limit`` texts.
-        cache_dir: where ``datasets`` writes its Arrow cache (its default location if None).
 
-    Returns:
-        The texts, in file order then record order.
-
-    Raises:
-        UserError: nothing local matches (including Hub dataset ids), mixed or unsupported file
-            types, files without the column ``field`` names, a record without the text field, or no texts.
-    """
-    files = _resolve_data_files(data_files)
-    suffixes = sorted({os.path.splitext(f)[1].lower() for f in files})
-    if len(suffixes) != 1 or suffixes[0] not in _DATASET_BUILDERS:
-        raise UserError(
-            f"dataset files must all be one of {', '.join(_DATASET_BUILDERS)}; "
-            f"got {', '.join(s or '(no extension)' for s in suffixes)}"
-        )
-    builder, kwargs = _DATASET_BUILDERS[suffixes[0]]
-
+def _read_with_datasets(files: list[str], suffix: str, field: str | None, cache_dir) -> list[str]:
+    """The texts of ``.json``/``.parquet``/``.csv`` files' records, read with ``datasets``."""
     import datasets  # deferred: importing datasets takes a second or two
 
+    builder, kwargs = _DATASET_BUILDERS[suffix]
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # bars for reading a few local files are noise
     try:
         ds = datasets.load_dataset(
             builder,
-            data_files={split: files},
-            split=split,
+            data_files={"train": files},
+            split="train",
             cache_dir=None if cache_dir is None else os.fspath(cache_dir),
             **kwargs,
         )
@@ -349,11 +312,48 @@ def load_dataset_prompts(
             datasets.enable_progress_bars()
     if field is not None and field not in ds.column_names:
         raise UserError(f"dataset {files[0]!r} has no {field!r} field (its columns: {', '.join(ds.column_names)})")
-    if limit is not None:
-        ds = ds.select(range(min(limit, len(ds))))
-    texts = [_text_field(row, f"{files[0]} record {i}", field) for i, row in enumerate(ds)]
+    return [_text_field(row, f"{files[0]} record {i}", field) for i, row in enumerate(ds)]
+
+
+def load_dataset_prompts(
+    data_files: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    field: str | None = None,
+    limit: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> list[str]:
+    """The one reader of local text records (prompt files, corpora): texts from local files (no Hub access).
+
+    Args:
+        data_files: a file, a directory (its .txt/.jsonl/.json/.parquet/.csv files, sorted by name),
+            a glob pattern, or a list of these. All must have the same file type: a ``.txt`` file is
+            one text; the others one text per record (``.jsonl`` read line by line, so an error names
+            its line; ``.json``/``.parquet``/``.csv`` read with the ``datasets`` library).
+        field: the record field holding the text; default "text", else "prompt".
+        limit: keep only the first ``limit`` texts.
+        cache_dir: where ``datasets`` writes its Arrow cache (its default location if None).
+
+    Returns:
+        The texts, in file order then record order.
+
+    Raises:
+        UserError: nothing local matches (including Hub dataset ids), mixed or unsupported file
+            types, text that is not UTF-8, a line that is not JSON, files without the column ``field``
+            names, a record without the text field, or no texts.
+    """
+    files = _resolve_data_files(data_files)
+    suffixes = sorted({os.path.splitext(f)[1].lower() for f in files})
+    kinds = (*_BY_HAND, *_DATASET_BUILDERS)
+    if len(suffixes) != 1 or suffixes[0] not in kinds:
+        got = ", ".join(s or "(no extension)" for s in suffixes)
+        raise UserError(f"text files must all be one of {', '.join(kinds)}; got {got}")
+    if suffixes[0] in _BY_HAND:
+        texts = [t for f in files for t in _read_by_hand(f, field)]
+    else:
+        texts = _read_with_datasets(files, suffixes[0], field, cache_dir)
+    texts = texts[:limit] if limit is not None else texts
     if not any(t.strip() for t in texts):
-        raise UserError(f"dataset {files[0]!r} contains no text")
+        raise UserError(f"{files[0]!r} contains no text")
     return texts
 
 
