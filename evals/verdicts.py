@@ -116,10 +116,10 @@ def fallback_margin(row: dict, gate) -> dict:
     """What a baseline check adds to its bounds when it compares a backend's row with the reference
     backend's row (the backend has none of its own): the kernel bounds of the row's setup, which are
     the drift allowed between two backends on one configuration (1.3 times the largest estimate of a
-    valid reimplementation, rounded up a step: conf/gate.yaml). Mean and 99.9% KL may rise by the kernel KL bounds (drifts of independent
-    roundings add, to first order); top-1 agreement may drop by the share of tokens the kernel bound
-    lets flip, ``1 - top1_agree`` (exact: agreement with the base drops at most by disagreement with
-    the reference backend)."""
+    valid reimplementation, rounded up a step: conf/gate.yaml). Mean and 99.9% KL may rise by the
+    kernel KL bounds (drifts of independent roundings add, to first order); top-1 agreement may drop
+    by the share of tokens the kernel bound lets flip, ``1 - top1_agree`` (exact: agreement with the
+    base drops at most by disagreement with the reference backend)."""
     b = bounds_for(row, gate)
     return {"kl_mean": b["kl_mean"], "kl_p999": b["kl_p999"], "top1_agree": 1 - b["top1_agree"]}
 
