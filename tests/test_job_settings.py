@@ -12,6 +12,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
+from evals.drift import PassResult, set_statistics
+from evals.evaluation import Item, ScoredSet
 from evals.metrics import DEGENERATE_REPEAT, repeated_ngram_fraction
 from quantize import QuantScheme, apply, quantization_config, write_checkpoint
 from tests.tiny_models import make_tiny
@@ -19,8 +21,6 @@ from tileinfer.core import progress
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
 from tileinfer.core.tokenizer import Tokenizer
-from evals.drift import PassResult, set_statistics
-from evals.evaluation import Item, ScoredSet
 from tileinfer.jobs import rows, schema
 from tileinfer.models.loading import content_sha256, load_model
 

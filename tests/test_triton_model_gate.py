@@ -6,15 +6,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from quantize import QuantScheme, apply
 from evals import verdicts
+from quantize import QuantScheme, apply
+from tests.passes import drift, full_logits
 from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.engine.runner import ModelRunner
 from tileinfer.models import Transformer
-
-from tests.passes import drift, full_logits
 
 pytest.importorskip("triton")
 GATE = OmegaConf.load("conf/gate.yaml").gate
