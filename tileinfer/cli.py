@@ -136,8 +136,8 @@ def parse(prog: str, argv: list[str], config_name: str, aliases: dict[str, str] 
 
     Raises:
         UserError: a renamed or misspelled setting, a value out of range, a checkpoint path given as
-            ``model=PATH``, an unknown or missing launcher, more joblib workers than GPU slots, a
-            ``runs_dir`` that cannot be written (one line each).
+            ``model=PATH``, an unknown or missing launcher, more joblib workers than GPU slots, an
+            empty ``runs_dir`` or one that cannot be written (one line each).
     """
     args = get_args_parser().parse_args([(aliases or {}).get(a, a) for a in argv])
     inv = Invocation(prog, args.config_name or config_name, args)
@@ -171,6 +171,8 @@ def parse(prog: str, argv: list[str], config_name: str, aliases: dict[str, str] 
     finally:
         GlobalHydra.instance().clear()
     for cfg in configs:  # Hydra makes its log folder there before any job runs
+        if cfg.runs_dir == "":  # its log folder would be /logs/..., at the file system's root
+            raise UserError("runs_dir is empty")
         files.check_writable(cfg.runs_dir)
     workers = _check_launcher(launcher) if args.multirun else 1
     return Invocation(prog, inv.config_name, args, tuple(map(tuple, jobs)), tuple(configs), workers)
