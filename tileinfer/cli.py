@@ -173,7 +173,10 @@ def parse(prog: str, argv: list[str], config_name: str, aliases: dict[str, str] 
     for cfg in configs:  # Hydra makes its log folder there before any job runs
         if cfg.runs_dir == "":  # its log folder would be /logs/..., at the file system's root
             raise UserError("runs_dir is empty")
-        files.check_writable(cfg.runs_dir)
+        try:
+            files.check_writable(cfg.runs_dir)
+        except UserError as e:  # name the setting: the folder may come from a default (runs/gate/...)
+            raise UserError(f"runs_dir: {e}") from None
     workers = _check_launcher(launcher) if args.multirun else 1
     return Invocation(prog, inv.config_name, args, tuple(map(tuple, jobs)), tuple(configs), workers)
 
