@@ -6,10 +6,10 @@ from omegaconf import OmegaConf
 
 from evals.base_logits import FullLogits, TopKLogits
 from evals.metrics import summarize
+from tests.passes import full_logits
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
 from tileinfer.engine.runner import ModelRunner
-from tileinfer.jobs import drift
 from tileinfer.models import Transformer
 
 STORED = "evals/base_logits/smollm2-135m/reference-bf16-nosmooth-{}0-ctx1024-n128.topk"
@@ -56,12 +56,12 @@ def real_distributions(smollm2_gguf):
 
     ck = load_checkpoint(smollm2_gguf)
     stored = TopKLogits.load(STORED.format("edit"))
-    stream = drift.Stream(tuple(int(t) for t in stored.tokens), stored.prompt_len)
     bf16 = ModelRunner(Transformer.from_state_dict(ck.config, ck.state_dict), max_seq_len=1152)
-    full = drift.full_logits(bf16, stream)
+    full = full_logits(bf16, stored.tokens, stored.prompt_len)
     sd, _ = apply(ck, None, QuantScheme("int8", "bf16"))
     cand = ModelRunner(Transformer.from_state_dict(ck.config, sd), max_seq_len=1152)
-    cand_logits = torch.cat([lg for _, lg in drift.teacher_forced(cand, stream)])
+    # the candidate teacher-forced over the same tokens, as evals.drift.score runs it
+    cand_logits = full_logits(cand, stored.tokens, stored.prompt_len).logits
     return full, cand_logits
 
 

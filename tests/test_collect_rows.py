@@ -12,9 +12,10 @@ import shutil
 import numpy as np
 import polars as pl
 
-from tests.test_report import CONFIGS, fake_row, write_runs
+from tests.test_report import CONFIGS, collect, fake_row, write_runs
 from tileinfer import report, summary
 from tileinfer.jobs import tables
+from tileinfer.jobs.rows import write_row
 
 N_ROWS = 2 * 2 * len(CONFIGS)  # write_runs: ctx 1k and 8k, prompt sets edit and explain
 
@@ -51,9 +52,7 @@ def test_rows_of_one_identity_are_kept_once_the_newest(tmp_path, capsys):
         ("older", "2024-01-01T00:00:00+00:00", 0.5),
         ("newer", "2026-01-01T00:00:00+00:00", 0.25),
     ]:
-        tables.write_row(
-            runs / "rows" / "copies" / f"{name}.parquet", row | {"finished_at": finished, "kl_mean": kl}, pos
-        )
+        write_row(runs / "rows" / "copies" / f"{name}.parquet", row | {"finished_at": finished, "kl_mean": kl}, pos)
     summary.main([str(runs)])
     out = capsys.readouterr().out
     df = pl.read_parquet(runs / "summary.parquet")
@@ -68,7 +67,7 @@ def printed(df, capsys, **kw) -> str:
 
 def test_the_printed_table_fits_120_characters_and_names_constant_columns_once(tmp_path, capsys):
     runs = write_runs(tmp_path / "runs")
-    df = tables.collect(runs / "rows").with_columns(model=pl.lit("qwen2.5-coder-0.5b"))
+    df = collect(runs / "rows").with_columns(model=pl.lit("qwen2.5-coder-0.5b"))
     out = printed(df, capsys)
     lines = out.splitlines()
     assert max(map(len, lines)) <= 120, out
@@ -95,7 +94,7 @@ def test_the_printed_table_fits_120_characters_and_names_constant_columns_once(t
 
 def test_degenerate_windows_are_flagged_and_old_rows_are_unknown(tmp_path, capsys):
     runs = write_runs(tmp_path / "runs", ctxs=("1k",), prompt_sets=("explain",))
-    df = tables.collect(runs / "rows")
+    df = collect(runs / "rows")
     # bf16: degenerate; int8_weights: measured, fine; the rest: written before the columns existed
     measured = {"bf16": (0.8, True), "int8_weights": (0.1, False)}
     df = df.with_columns(

@@ -1,15 +1,20 @@
-"""Non-finite logits stop the scoring pass; saved replies are reused only when intact; a corpus row's KL."""
+"""Non-finite logits stop the scoring pass; recorded base logits are reused only when intact; a corpus
+row's KL."""
 
 import pytest
 import torch
 
 from evals import corpus
+from evals.base_store import LiveBase
+from evals.drift import base_pass, score, set_statistics
+from evals.evaluation import Item, ScoredSet
+from tests.passes import full_logits
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.errors import NonFiniteLogits
 from tileinfer.engine.runner import ModelRunner
-from tileinfer.jobs import drift, tables
-from tileinfer.jobs.resume import Snapshots
+from tileinfer.engine.snapshots import Snapshots
+from tileinfer.jobs import rows
 from tileinfer.models import Transformer
 
 TINY = dict(
@@ -36,25 +41,48 @@ def runner(poison_layer: int | None = None) -> ModelRunner:
 
 
 def test_non_finite_logits_stop_the_scoring_pass():
-    stream = drift.Stream(tuple(range(1, 61)), 40)
-    ref = drift.full_logits(runner(), stream)
+    tokens = tuple(range(1, 61))
+    ref = full_logits(runner(), tokens, 40)
     assert torch.isfinite(ref.logits).all() and ref.logits.shape == (20, 256)
     with pytest.raises(NonFiniteLogits, match="non-finite logits"):
-        drift.full_logits(runner(poison_layer=1), stream)
+        full_logits(runner(poison_layer=1), tokens, 40)
     with pytest.raises(NonFiniteLogits):
-        drift.score(runner(poison_layer=0), ref, decode_steps=0)
+        score(runner(poison_layer=0), ref, decode_steps=0)
 
 
-def test_a_saved_reply_is_reused_and_a_damaged_one_is_not(tmp_path):
-    r, prompt, cache = runner(), list(range(1, 41)), tmp_path / "edit0.json"
-    assert drift.load_stream(cache, prompt, 8) is None
-    base = drift.base_pass(r, prompt, 8, set(), drift.Snapshots(None))
-    first = drift.Stream(tuple(base.tokens.tolist()), base.prompt_len)
-    drift.save_stream(first, 8, cache)
-    assert drift.load_stream(cache, prompt, 8) == first
-    assert drift.load_stream(cache, prompt[1:], 8) is None and drift.load_stream(cache, prompt, 9) is None
-    cache.write_text('{"prompt": [1, 2')  # cut short
-    assert drift.load_stream(cache, prompt, 8) is None
+def one_item(prompt, n_reply) -> ScoredSet:
+    """A scored set of one prompt followed by the base's greedy reply of ``n_reply`` tokens."""
+    return ScoredSet("edit", (Item(tuple(prompt), None, n_reply),), "prompt", {}, 1, f"n{n_reply}")
+
+
+def test_recorded_base_logits_are_reused_and_a_damaged_file_is_not(tmp_path):
+    """The base side of an item is recorded once on disk (runs_dir/cache/base) and read back by every
+    later store over the same folder without running the base model; another prompt, reply length or
+    base configuration is another file; a file cut short is recorded again, and a base pass that meets
+    non-finite logits records nothing."""
+    made = []
+
+    def store(key="bf16", folder=tmp_path, poison_layer=None):
+        return LiveBase(folder, {"base": key}, lambda: made.append(key) or runner(poison_layer), set(), 0.0)
+
+    prompt, scored = list(range(1, 41)), one_item(range(1, 41), 8)
+    first = store().logits(scored, 0)
+    assert made == ["bf16"] and first.tokens[:40].tolist() == prompt and len(first.tokens) == 48
+    path = store().path(scored, 0)
+    assert path.is_file() and [p.name for p in tmp_path.iterdir()] == [path.name]
+    again = store().logits(scored, 0)  # another job's store: read from the file, no base runner made
+    assert made == ["bf16"] and torch.equal(again.tokens, first.tokens) and torch.equal(again.logits, first.logits)
+    others = {store().path(one_item(prompt[1:], 8), 0), store().path(one_item(prompt, 9), 0)}
+    others.add(store("int8").path(scored, 0))
+    assert path not in others and len(others) == 3
+    data = path.read_bytes()
+    path.unlink()  # a new file (the tensors read above map the old one's pages)
+    path.write_bytes(data[:100])  # cut short
+    redone = store().logits(scored, 0)
+    assert made == ["bf16"] * 2 and torch.equal(redone.logits, first.logits)
+    with pytest.raises(NonFiniteLogits):
+        store(folder=tmp_path / "poisoned", poison_layer=1).logits(scored, 0)
+    assert not [p for p in (tmp_path / "poisoned").iterdir() if p.suffix == ".safetensors"]
 
 
 def test_a_corpus_row_is_the_kl_over_the_windows_second_halves():
@@ -68,12 +96,12 @@ def test_a_corpus_row_is_the_kl_over_the_windows_second_halves():
     )
     ctx, n = 24, corpus.prompt_len(24)
     windows = corpus.windows(torch.randint(2, 256, (80,), generator=torch.Generator().manual_seed(0)).tolist(), ctx, 1)
-    results = []
-    for w in windows:  # as job.Job.live_base and job.run score a corpus
-        base = drift.base_pass(base_r, w[:n], ctx - n, set(), Snapshots(None), w[n:])
-        results.append(drift.score(cand_r, base, decode_steps=0))
-    kw = dict(device=torch.device("cpu"), weights_bytes=1, kv_bytes=1, wall_s=1.0, kl_estimate="exact", fallbacks=[])
-    row = tables.make_row({}, results, replies=[w[n:] for w in windows], unit="window", **kw)
+    # the scored set of evals.corpus.CorpusDrift, and what jobs.job.score_set makes of it
+    items = tuple(Item(tuple(w[:n]), tuple(w[n:]), len(w) - n) for w in windows)
+    scored = ScoredSet("tokens", items, "window", {}, 1, "window")
+    passes = [score(cand_r, base_pass(base_r, i, set(), Snapshots(None)), decode_steps=0) for i in items]
+    stats, _ = set_statistics(scored, passes, [w[n:] for w in windows])
+    row = rows.make_row({}, stats, {}, 1.0)
 
     def window_logits(r, w):  # every position of the window in one forward step
         seq = r.new_sequence()

@@ -9,10 +9,10 @@ real limit, ``RLIMIT_FSIZE``, in a subprocess.
 from __future__ import annotations
 
 import builtins
+import datetime
 import errno
 import hashlib
 import io
-import json
 import os
 import re
 import subprocess
@@ -25,13 +25,16 @@ import polars as pl
 import pytest
 import safetensors.torch
 import torch
-from omegaconf import OmegaConf
 from safetensors import SafetensorError
 
 from evals.base_logits import TopKLogits
+from evals.base_store import LiveBase
+from evals.evaluation import Item, ScoredSet
+from tileinfer import cli
 from tileinfer.core import fetch
-from tileinfer.core.errors import UserError, check_runs_dir
-from tileinfer.jobs import drift, tables
+from tileinfer.core.errors import UserError
+from tileinfer.jobs import rows, schema, tables
+from tileinfer.jobs.job import JobResult
 
 REPO = Path(__file__).resolve().parent.parent
 SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # data does not fit: creating the file still works
@@ -147,7 +150,7 @@ def break_disk(mp, folder, code: int = errno.ENOSPC, match: str = "", interrupt:
     mp.setattr(os, "replace", fake_replace)
     mp.setattr(pl.DataFrame, "write_parquet", fake_parquet)
     mp.setattr(safetensors.torch, "save_file", fake_save_file)
-    for module in ("quantize.checkpoint", "evals.base_logits"):  # imported by name there
+    for module in ("quantize.checkpoint", "evals.base_logits", "evals.base_store"):  # imported by name there
         if hasattr(sys.modules.get(module), "save_file"):
             mp.setattr(sys.modules[module], "save_file", fake_save_file)
 
@@ -176,7 +179,7 @@ def test_row_write(tmp_path, monkeypatch, code):
     path = folder / "int8_both-1k-edit.parquet"
     break_disk(monkeypatch, folder, code)
     with pytest.raises(UserError) as e:
-        tables.write_row(path, *row_and_positions())
+        rows.write_row(path, *row_and_positions())
     one_line_naming(e, path.with_suffix(".positions.parquet"), code)  # the first file written
     assert leftovers(folder) == []
 
@@ -185,7 +188,7 @@ def test_row_file_itself(tmp_path, monkeypatch):
     path = tmp_path / "rows" / "int8_both-1k-edit.parquet"
     break_disk(monkeypatch, tmp_path, match="edit.parquet")  # the positions file fits, the row does not
     with pytest.raises(UserError) as e:
-        tables.write_row(path, *row_and_positions())
+        rows.write_row(path, *row_and_positions())
     one_line_naming(e, path, errno.ENOSPC)
     assert leftovers(tmp_path / "rows") == []  # no per-position table without its row
 
@@ -193,7 +196,7 @@ def test_row_file_itself(tmp_path, monkeypatch):
 def test_ctrl_c_while_writing_a_row_leaves_nothing(tmp_path, monkeypatch):
     break_disk(monkeypatch, tmp_path, interrupt=True)
     with pytest.raises(KeyboardInterrupt):
-        tables.write_row(tmp_path / "r.parquet", *row_and_positions())
+        rows.write_row(tmp_path / "r.parquet", *row_and_positions())
     assert leftovers(tmp_path) == []
 
 
@@ -218,13 +221,24 @@ def test_gate_update_baseline(tmp_path, monkeypatch):
     assert leftovers(path.parent) == []
 
 
-def test_stream_cache(tmp_path, monkeypatch):
-    cache = tmp_path / "streams" / "edit0.json"
-    break_disk(monkeypatch, tmp_path)
-    with pytest.raises(UserError) as e:
-        drift.save_stream(drift.Stream((1, 2, 3, 4, 5), 3), 2, cache)
-    one_line_naming(e, cache, errno.ENOSPC)
-    assert leftovers(tmp_path) == ["streams"]
+def test_base_store(tmp_path, monkeypatch):
+    """The base side recorded under runs_dir/cache/base (safetensors' writer): the file is named, no
+    temporary file or lock is left, and a later store records it afresh (nothing half written is read)."""
+    from tests.test_drift import runner
+
+    scored = ScoredSet("edit", (Item(tuple(range(1, 11)), None, 4),), "prompt", {}, 1, "n4")
+    folder = tmp_path / "cache" / "base" / "m-0123456789ab"
+
+    def store():
+        return LiveBase(folder, {"base": "bf16"}, runner, set(), 0.0)
+
+    with monkeypatch.context() as mp:
+        break_disk(mp, tmp_path)
+        with pytest.raises(UserError) as e:
+            store().logits(scored, 0)
+    one_line_naming(e, store().path(scored, 0), errno.ENOSPC)
+    assert leftovers(tmp_path) == ["cache", "cache/base", "cache/base/m-0123456789ab"]
+    assert store().logits(scored, 0).tokens[:10].tolist() == list(range(1, 11))
 
 
 def test_stored_base_logits(tmp_path, monkeypatch):
@@ -425,7 +439,7 @@ def assert_one_line(proc, code: int, line: str, alone: bool = True) -> None:
 @pytest.mark.parametrize(
     "target,make",
     [
-        ("positions", "tables.write_row(target, {'model': 'm', 'kl_mean': 0.1}, {'kl': torch.rand(20000)})"),
+        ("positions", "rows.write_row(target, {'model': 'm', 'kl_mean': 0.1}, {'kl': torch.rand(20000)})"),
         ("checkpoint", "write_checkpoint(target, {'w': torch.rand(20000)}, {}, {})"),
     ],
     ids=["row", "checkpoint"],
@@ -439,12 +453,12 @@ def test_real_file_size_limit(tmp_path, target, make):
         from pathlib import Path
         import torch
         from quantize.checkpoint import write_checkpoint
-        from tileinfer.core.errors import exit_on_user_error
-        from tileinfer.jobs import tables
+        from tileinfer.cli import exit_on_error
+        from tileinfer.jobs import rows
         target = Path(sys.argv[1])
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
-        with exit_on_user_error("writer"):
+        with exit_on_error("writer"):
             {make}
         """,
         path,
@@ -455,16 +469,19 @@ def test_real_file_size_limit(tmp_path, target, make):
 
 
 # ``python -m MODULE ARGV`` with break_disk installed in its process (as root, a read-only mount is
-# simulated); with ROWS, the job's computation is skipped and returns that row file.
+# simulated); with ROWS, each job's computation is skipped and returns that row file.
 BROKEN_COMMAND = """
     import errno, runpy, sys
     from pathlib import Path
     import pytest
     from tests.test_os_errors import break_disk
-    from tileinfer.jobs import job
+    from tileinfer.jobs import job, plan, rows as result_rows
     module, folder, code, match, rows, *argv = sys.argv[1:]
     if rows:
-        job.run = lambda cfg, **kwargs: [Path(rows)]
+        plan.resolve = lambda *a, **k: None
+        job.run = lambda *a, **k: job.JobResult(
+            tuple(result_rows.read([Path(rows)]).drop("row_file").to_dicts()), (Path(rows),), 0
+        )
     break_disk(pytest.MonkeyPatch(), folder, getattr(errno, code), match=match)
     sys.argv = [module, *argv]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -480,37 +497,45 @@ def test_read_only_runs_dir(tmp_path, module):
     assert leftovers(runs) == []
 
 
-def test_sweep_rows_list_on_a_full_disk(tmp_path):
+def test_multirun_summary_on_a_full_disk_ends_the_command_in_one_line(tmp_path):
+    """The only file a sweep writes besides its rows and Hydra's logs is a multirun's summary: a full
+    disk there is one line after the jobs' own output, exit 2, no temporary file left."""
     row = tmp_path / "rows" / "r.parquet"
-    tables.write_row(row, *row_and_positions())
+    rows.write_row(row, *row_and_positions())
     runs = tmp_path / "runs"
-    proc = run_python(
-        BROKEN_COMMAND, "tileinfer.sweep", runs, "ENOSPC", "rows.json", row, f"runs_dir={runs}", "model=smollm2-135m"
-    )
-    (log_dir,) = (runs / "logs").iterdir()
-    line = f"tileinfer.sweep: error: cannot write {log_dir / 'rows.json'}: No space left on device"
-    assert_one_line(proc, 2, line, alone=False)  # after the job's own output
-    assert not [p for p in leftovers(log_dir) if "rows.json" in p]
+    argv = ["-m", f"runs_dir={runs}", "model=smollm2-135m", "quant=bf16,int8_both"]
+    proc = run_python(BROKEN_COMMAND, "tileinfer.sweep", runs, "ENOSPC", "summary", row, *argv)
+    (sweep_dir,) = (runs / "logs").iterdir()
+    line = f"tileinfer.sweep: error: cannot write {sweep_dir / 'summary.parquet'}: No space left on device"
+    assert_one_line(proc, 2, line, alone=False)  # after the jobs' own output
+    assert proc.stdout.count("job done") == 2, proc.stdout
+    assert not [p for p in leftovers(sweep_dir) if "summary" in p]
 
 
-def test_multirun_summary_on_a_full_disk(tmp_path, monkeypatch, capsys):
-    from tileinfer.sweep import PrintSummary
+def test_multirun_summary_on_a_full_disk(tmp_path, monkeypatch):
+    from tileinfer.sweep import summary
 
     row = tmp_path / "rows" / "r.parquet"
-    tables.write_row(row, *row_and_positions())
+    rows.write_row(row, *row_and_positions())
     out = tmp_path / "multirun"
-    (out / "0").mkdir(parents=True)
-    (out / "0" / "rows.json").write_text(json.dumps({"overrides": [], "wall_s": 1.0, "rows": [str(row)]}))
+    out.mkdir()
+    result = JobResult(tuple(rows.read([row]).drop("row_file").to_dicts()), (row,), 0)
+    outcomes = [cli.Outcome((f"quant={q}",), 1.0, result, sweep_dir=str(out)) for q in ("bf16", "int8_both")]
     break_disk(monkeypatch, out, match="summary")
-    with pytest.raises(SystemExit) as e:
-        PrintSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(out)}}}))
-    assert e.value.code == 2
-    line = f"tileinfer.sweep: error: cannot write {out / 'summary.parquet'}: No space left on device"
-    assert capsys.readouterr().err.strip() == line
-    assert leftovers(out) == ["0", "0/rows.json"]
+    with pytest.raises(UserError) as e:  # the command's exit_on_error makes it one line, exit 2
+        summary(outcomes)
+    one_line_naming(e, out / "summary.parquet", errno.ENOSPC)
+    assert leftovers(out) == []
 
 
-def test_quoted_runs_dir_is_read_as_hydra_reads_it(tmp_path):
+def parse(argv: list[str]) -> cli.Invocation:
+    """The sweep's command line read and checked by its front end, as ``python -m tileinfer.sweep``
+    does before it runs any job."""
+    schema.register()
+    return cli.parse("tileinfer.sweep", argv, "config")
+
+
+def test_quoted_runs_dir_is_read_as_hydra_reads_it(tmp_path, monkeypatch):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     runs = tmp_path / "x" / "a=b"
@@ -522,6 +547,9 @@ def test_quoted_runs_dir_is_read_as_hydra_reads_it(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert leftovers(tmp_path) == ["cwd"]  # a refused setting: no folder made, with quotes or without
+    monkeypatch.chdir(cwd)
+    parse([f"runs_dir='{runs}'", "model=smollm2-135m"])  # checked, then the job would run
     assert runs.is_dir()
     assert leftovers(cwd) == [], "a folder named with the quotes was made"
     assert not [p for p in leftovers(tmp_path) if "'" in p]
@@ -546,7 +574,7 @@ def test_quoted_runs_dir_under_a_file(tmp_path):
 @pytest.mark.parametrize(
     "value,made",
     [
-        ("{tmp}/r/${{now:%Y-%m-%d}}", ["r"]),  # Hydra fills the interpolation in: only r is checked
+        ("{tmp}/r/${{now:%Y-%m-%d}}", ["r", "r/{today}"]),  # the composed value: Hydra filled the date in
         ("{tmp}/a,{tmp}/b", ["a", "b"]),  # a -m sweep list: each of its values
         ("'{tmp}/with space'", ["with space"]),
         ("{tmp}/with\\ escape", ["with escape"]),
@@ -554,12 +582,14 @@ def test_quoted_runs_dir_under_a_file(tmp_path):
 )
 def test_runs_dir_values(tmp_path, monkeypatch, value, made):
     monkeypatch.chdir(tmp_path)
-    check_runs_dir("prog", ["-m", "runs_dir=" + value.format(tmp=tmp_path)])
-    assert leftovers(tmp_path) == made
+    parse(["-m", "runs_dir=" + value.format(tmp=tmp_path), "model=smollm2-135m"])
+    today = datetime.datetime.now().strftime("%Y-%m-%d")  # Hydra's ${now:} reads the local time
+    assert leftovers(tmp_path) == [m.format(today=today) for m in made]
 
 
 def test_empty_runs_dir_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as e:
-        check_runs_dir("prog", ["runs_dir="])
+    with pytest.raises(SystemExit) as e:  # the job is never reached
+        cli.main("prog", ["runs_dir="], "config", job=None)
     assert e.value.code == 2 and capsys.readouterr().err.strip() == "prog: error: runs_dir is empty"
+    assert leftovers(tmp_path) == []

@@ -13,6 +13,7 @@ import torch
 from evals import intervals
 from tileinfer import report
 from tileinfer.jobs import tables
+from tileinfer.jobs.rows import atomic_parquet, read, write_row
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CTX = {"1k": 1024, "8k": 8192}
@@ -28,7 +29,7 @@ N = 96  # scored positions per row
 
 
 def fake_row(quant, weights, kv, smooth, speed, kl, *, ctx, prompt_set, rng, finished="2025-01-01T00:00:00+00:00"):
-    """A plausible row as :func:`tables.make_row` writes it, and its per-position arrays."""
+    """A plausible row as :func:`tileinfer.jobs.rows.make_row` builds it, and its per-position arrays."""
     kl_pos = torch.from_numpy(rng.exponential(kl, N) * np.linspace(0.5, 1.5, N)).float() if kl else torch.zeros(N)
     dp = torch.from_numpy(rng.normal(0, 0.1 * kl**0.5, N)).float()
     top1 = kl_pos < 4 * kl if kl else torch.ones(N, dtype=torch.bool)
@@ -86,6 +87,11 @@ def fake_row(quant, weights, kv, smooth, speed, kl, *, ctx, prompt_set, rng, fin
     return row, {"kl": kl_pos, "top1_agree": top1, "dp": dp}
 
 
+def collect(folder: Path) -> pl.DataFrame:
+    """Every row under ``folder`` as one table, as the sweep reads them."""
+    return read(folder).drop("row_file")
+
+
 def write_runs(root: Path, ctxs=("1k", "8k"), prompt_sets=("edit", "explain"), configs=CONFIGS) -> Path:
     """A runs folder laid out like the sweep's: rows/MODEL/BACKEND/NAME.parquet (+ positions)."""
     rng = np.random.default_rng(0)
@@ -94,7 +100,7 @@ def write_runs(root: Path, ctxs=("1k", "8k"), prompt_sets=("edit", "explain"), c
             for q, w, kv, smooth, speed, kl in configs:
                 row, pos = fake_row(q, w, kv, smooth, speed, kl, ctx=ctx, prompt_set=ps, rng=rng)
                 name = f"{q}-{'smooth' if smooth else 'nosmooth'}-{ctx}-{ps}-0123456789.parquet"
-                tables.write_row(root / "rows" / "smollm2-135m" / "reference" / name, row, pos)
+                write_row(root / "rows" / "smollm2-135m" / "reference" / name, row, pos)
     return root
 
 
@@ -150,7 +156,7 @@ def test_report_has_a_section_per_group_and_a_table_per_prompt_set(rendered):
 
 def test_bf16_is_the_unit_and_int8_ratios_come_from_the_rows(rendered):
     runs, _, md = rendered
-    rows = tables.collect(runs / "rows")
+    rows = collect(runs / "rows")
     for ctx in CTX:
         for ps in ("edit", "explain"):
             tab = table_of(md, ctx, ps)
@@ -196,6 +202,11 @@ def test_plots_are_png_files_linked_from_the_report(rendered):
     scatters = [f for f in links if f.startswith("scatter-")]
     positions = [f for f in links if f.startswith("kl_by_position-")]
     assert len(scatters) == 2 and len(positions) == 4 and len(set(links)) == len(links)
+    # short names: model, ctx, backend (and scored set); no hash where the sections differ in nothing else
+    assert scatters == ["scatter-smollm2_135m-1k-reference.png", "scatter-smollm2_135m-8k-reference.png"]
+    assert positions == [
+        f"kl_by_position-smollm2_135m-{ctx}-reference-{ps}.png" for ctx in CTX for ps in ("edit", "explain")
+    ]
     for f in links:
         data = (path.parent / f).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 10_000
@@ -211,12 +222,15 @@ def test_missing_bf16_and_missing_positions_are_notes(tmp_path):
     for p in rows_dir.glob("bf16-*"):
         p.unlink()
     (rows_dir / "int8_kv-nosmooth-8k-edit-0123456789.positions.parquet").unlink()
+    (rows_dir / "int8_weights-nosmooth-8k-edit-0123456789.positions.parquet").write_bytes(b"damaged")
     md = report.render(runs, tmp_path / "out").read_text()
     tab = table_of(md, "8k", "edit")
     assert "bf16" not in tab and not any("×" in cell for r in tab.values() for cell in r.values())
     assert re.fullmatch(r"[\d,.]+", tab["int8_kv"]["Decode tok/s"])
     assert "without ratios" in md
-    assert "int8_kv: no positions file" in md
+    for config, quant in (("int8_kv", "int8_kv"), ("int8_weights", "int8_weights")):  # missing, damaged
+        f = f"{quant}-nosmooth-8k-edit-0123456789.positions.parquet"
+        assert f"{config}: no readable positions file ({f}), line skipped." in md
     assert re.search(r"!\[[^\]]*\]\(kl_by_position-[^)]+\.png\)", md)  # the other lines still drawn
 
 
@@ -234,7 +248,7 @@ def test_kl_estimate_column_newest_duplicate_and_foreign_parquet(tmp_path):
     rng = np.random.default_rng(1)
     row, pos = fake_row(*CONFIGS[1], ctx="1k", prompt_set="edit", rng=rng, finished="2025-06-01T00:00:00+00:00")
     row["kl_estimate"], row["kl_mean"] = "topk64+tail", 0.123456
-    tables.write_row(runs / "rows" / "x" / "newer.parquet", row, pos)
+    write_row(runs / "rows" / "x" / "newer.parquet", row, pos)
     md = report.render(runs).read_text()
     tab = table_of(md, "1k", "edit")
     assert tab["int8_weights"]["Mean KLD"] == "0.1235"
@@ -249,11 +263,20 @@ def test_rows_of_another_scoring_window_get_their_own_section(tmp_path):
     for cfg in CONFIGS[:2]:
         row, pos = fake_row(*cfg, ctx="1k", prompt_set="edit", rng=rng)
         row["n_score"] = 64
-        tables.write_row(runs / "rows" / "n64" / f"{cfg[0]}.parquet", row, pos)
+        write_row(runs / "rows" / "n64" / f"{cfg[0]}.parquet", row, pos)
     md = report.render(runs).read_text()
     sections = re.findall(r"^## (.*)$", md, flags=re.M)
     assert sorted(sections) == ["smollm2-135m, ctx 1k, n_score 64", "smollm2-135m, ctx 1k, n_score ?"]
     assert "older row" not in md
+    # plots of sections that differ in another setting: model, ctx, backend and a short hash of the rest
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", md)
+    scatters = [f for f in links if f.startswith("scatter-")]
+    hashes = [re.fullmatch(r"scatter-smollm2_135m-1k-reference-([0-9a-f]{6})\.png", f)[1] for f in scatters]
+    assert len(set(hashes)) == 2
+    assert [f for f in links if f.startswith("kl_by_position-")] == [
+        f"kl_by_position-smollm2_135m-1k-reference-{h}-edit.png" for h in hashes
+    ]
+    assert sorted(p.name for p in (runs / "report").glob("*.png")) == sorted(links)
 
 
 def run_cli(*args):
@@ -279,26 +302,33 @@ def test_command_line_writes_the_report_and_rejects_an_empty_folder(rendered, tm
 
 
 def test_degenerate_windows_are_flagged_and_rows_without_the_measure_are_unknown(tmp_path, capsys):
-    runs = write_runs(tmp_path, ctxs=("1k",), prompt_sets=("explain",), configs=CONFIGS[:3])
+    runs = write_runs(tmp_path, ctxs=("1k",), configs=CONFIGS[:3])
     rows_dir = runs / "rows" / "smollm2-135m" / "reference"
-    # bf16 degenerate (80% of the reply repeats), int8_weights measured and fine, int8_kv written before the measure
+    # explain: bf16 degenerate (80% of the reply repeats), int8_weights measured and fine, int8_kv written
+    # before the measure; edit: all written before it
     for prefix, frac in [("bf16-", 0.8), ("int8_weights-", 0.1)]:
-        (f,) = rows_dir.glob(f"{prefix}*[0-9].parquet")
-        tables.atomic_parquet(
+        (f,) = rows_dir.glob(f"{prefix}*-explain-*[0-9].parquet")
+        atomic_parquet(
             pl.read_parquet(f).with_columns(reply_repeat_frac=pl.lit(frac), degenerate=pl.lit(frac > 0.5)), f
         )
     md = report.render(runs).read_text()
-    warning = [line for line in md.splitlines() if line.startswith("**Warning:**")]
-    assert len(warning) == 1 and warning[0].endswith(
-        "degenerate window (over 50% of the reply repeats an earlier "
-        "4-gram, so their KL understates the drift): "
-        "smollm2-135m/bf16/1k/explain/reference"
+    lines = md.splitlines()
+    warnings = [i for i, line in enumerate(lines) if line.startswith("**Warning:**")]
+    note = (
+        "**Warning:** 1 row(s) scored a degenerate window (over 50% of the reply repeats an earlier "
+        "4-gram, so their KL understates the drift): smollm2-135m/bf16/1k/explain/reference"
     )
+    # named once for the report, above its first section, and again under the table of its scored set
+    assert [lines[i] for i in warnings] == [note, note]
+    explain = next(i for i, line in enumerate(lines) if line.startswith("### Prompt set `explain`"))
+    assert warnings[0] < lines.index("## smollm2-135m, ctx 1k") < explain < warnings[1]
+    assert not any(line.startswith("#") for line in lines[explain + 1 : warnings[1]])  # explain's own part
     tab = table_of(md, "1k", "explain")
     assert tab["bf16"]["Reply repetition"] == "**80%, degenerate**"
     assert tab["int8_weights"]["Reply repetition"] == "10%"
     assert tab["int8_kv (smoothed keys)"]["Reply repetition"] == "?"  # unknown, not degenerate
-    assert "warning: 1 row(s) scored a degenerate window" in capsys.readouterr().out
+    assert table_of(md, "1k", "edit")["bf16"]["Reply repetition"] == "?"
+    assert capsys.readouterr().out.count("warning: 1 row(s) scored a degenerate window") == 1
 
 
 # Speculative decoding rows: (quant config index in CONFIGS, spec, k, settings, acceptance rate, mean acceptance
@@ -313,7 +343,7 @@ SPEC_CTX = "1k"
 
 
 def spec_row(cfg, spec, k, settings, rate, length, speedup, exact, step, margin, *, prompt_set, rng):
-    """A row of a job with speculative decoding (:func:`tileinfer.jobs.spec.columns`), and its positions."""
+    """A row of a job with speculative decoding (:func:`evals.speculation.columns`), and its positions."""
     row, pos = fake_row(*CONFIGS[cfg], ctx=SPEC_CTX, prompt_set=prompt_set, rng=rng)
     drafts = 40
     accepted = round((length - 1) * drafts)
@@ -347,7 +377,7 @@ def write_spec_runs(root: Path, specs=SPECS) -> Path:
     for ps in ("edit", "explain"):
         for spec in specs:
             row, pos = spec_row(*spec, prompt_set=ps, rng=rng)
-            tables.write_row(root / "rows" / "spec" / f"{row['quant']}-{spec[1]}-{SPEC_CTX}-{ps}.parquet", row, pos)
+            write_row(root / "rows" / "spec" / f"{row['quant']}-{spec[1]}-{SPEC_CTX}-{ps}.parquet", row, pos)
     return root
 
 
@@ -366,7 +396,7 @@ def spec_tables(md: str) -> dict:
             if cells[0] == "Config":
                 header = cells
             else:
-                out.setdefault((section, ps), {})[cells[0], cells[1].split(" (")[0]] = dict(zip(header, cells))
+                out.setdefault((section, ps), {})[cells[0], cells[1].split(" ")[0]] = dict(zip(header, cells))
     return out
 
 
@@ -383,7 +413,7 @@ def test_speculative_section_has_a_line_per_proposer_with_the_rows_numbers(spec_
     assert md.count("### Speculative decoding") == 1  # ctx 8k has plain rows only
     assert md.index("### Speculative decoding") < md.index("## smollm2-135m, ctx 8k")
     assert md.count(report.DFLASH_NOTE) == 1
-    rows = tables.collect(runs / "rows").filter(pl.col("ctx") == SPEC_CTX)
+    rows = collect(runs / "rows").filter(pl.col("ctx") == SPEC_CTX)
     tabs = spec_tables(md)
     assert sorted(tabs) == [("smollm2-135m, ctx 1k", "edit"), ("smollm2-135m, ctx 1k", "explain")]
     for ps in ("edit", "explain"):
@@ -407,7 +437,7 @@ def test_speculative_section_has_a_line_per_proposer_with_the_rows_numbers(spec_
             r = rows.filter((pl.col("prompt_set") == ps) & (pl.col("spec") == spec) & (pl.col("quant") == quant))
             r = r.row(0, named=True)
             line = tab[quant, spec]
-            assert line["Proposer"] == f"{spec} ({settings})" and line["k"] == str(k)
+            assert line["Proposer"] == f"{spec} {quant}/k={k} ({settings})" and line["k"] == str(k)
             assert line["Acceptance rate (%)"] == f"{100 * rate:.1f}"
             assert line["Mean acceptance length"] == f"{length:.2f}"
             assert line["Tokens per target forward"] == f"{0.9 * length:.2f}"
@@ -428,7 +458,7 @@ def test_speculative_section_has_a_line_per_proposer_with_the_rows_numbers(spec_
 
 def test_drift_tables_show_each_configuration_once_from_its_plain_row(spec_rendered):
     runs, _, md = spec_rendered
-    rows = tables.collect(runs / "rows")
+    rows = collect(runs / "rows")
     for ps in ("edit", "explain"):
         tab = table_of(md, SPEC_CTX, ps)
         assert list(tab) == ["bf16", "int8_weights", "int8_kv (smoothed keys)"]
@@ -461,7 +491,7 @@ def test_speculative_plots_are_png_files_linked_from_the_report(spec_rendered):
 def test_old_rows_without_spec_columns_report_without_the_section(tmp_path):
     runs = write_runs(tmp_path / "old", ctxs=("1k",), prompt_sets=("edit",), configs=CONFIGS[:2])
     for f in (runs / "rows").rglob("*[0-9].parquet"):
-        tables.atomic_parquet(pl.read_parquet(f).drop("spec"), f)
+        atomic_parquet(pl.read_parquet(f).drop("spec"), f)
     md = report.render(runs).read_text()
     assert list(table_of(md, "1k", "edit")) == ["bf16", "int8_weights"]
     assert "Speculative decoding" not in md and "MISMATCH" not in md and report.DFLASH_NOTE not in md
@@ -470,9 +500,9 @@ def test_old_rows_without_spec_columns_report_without_the_section(tmp_path):
     # mixed with rows of speculative decoding (concatenated diagonally): the section appears
     rng = np.random.default_rng(4)
     row, pos = spec_row(*SPECS[0], prompt_set="edit", rng=rng)
-    tables.write_row(runs / "rows" / "spec" / "bf16-ngram.parquet", row, pos)
+    write_row(runs / "rows" / "spec" / "bf16-ngram.parquet", row, pos)
     row, pos = spec_row(4, *SPECS[2][1:], prompt_set="edit", rng=rng)  # int8_both: no plain row
-    tables.write_row(runs / "rows" / "spec" / "int8_both-ngram.parquet", row, pos)
+    write_row(runs / "rows" / "spec" / "int8_both-ngram.parquet", row, pos)
     md = report.render(runs).read_text()
     assert list(table_of(md, "1k", "edit")) == ["bf16", "int8_weights", "int8_both (smoothed keys)"]
     assert "no plain (spec=none) row of int8_both (smoothed keys) (spec=ngram)" in md
@@ -490,7 +520,7 @@ def test_old_rows_without_spec_columns_report_without_the_section(tmp_path):
 
 def test_printed_table_with_speculative_rows_keeps_to_120_characters(tmp_path, capsys):
     runs = write_spec_runs(tmp_path / "runs")
-    df = tables.collect(runs / "rows")
+    df = collect(runs / "rows")
     df = df.with_columns(reply_repeat_frac=pl.lit(0.1), degenerate=pl.lit(False))
     tables.print_table(df)
     out = capsys.readouterr().out
@@ -535,10 +565,10 @@ def test_corpus_rows_show_intervals_sigmas_and_paired_differences(tmp_path):
         logp = {"logp_base": -torch.rand(N), "logp_cand": -torch.rand(N)}
         row |= intervals.row_intervals(pos | logp, group, "window") | {"corpus": "pydoc", "n_windows": 4}
         name = f"{q}-{'smooth' if smooth else 'nosmooth'}-1k-pydoc.parquet"
-        tables.write_row(tmp_path / "rows" / "smollm2-135m" / "reference" / name, row, pos | logp | {"group": group})
+        write_row(tmp_path / "rows" / "smollm2-135m" / "reference" / name, row, pos | logp | {"group": group})
     md = report.render(tmp_path).read_text()
     assert f"### Corpus `pydoc` (4 window(s), {N} scored positions)" in md
-    rows = tables.collect(tmp_path / "rows")
+    rows = collect(tmp_path / "rows")
     r = rows.filter((pl.col("quant") == "int8_kv") & pl.col("smooth_keys")).row(0, named=True)
     tab = table_of(md, "1k", "pydoc")
     assert (
@@ -547,7 +577,8 @@ def test_corpus_rows_show_intervals_sigmas_and_paired_differences(tmp_path):
     )
     top1 = f"{100 * r['top1_agree']:.2f} [{100 * r['top1_agree_lo']:.2f}, {100 * r['top1_agree_hi']:.2f}]"
     assert tab["int8_kv (smoothed keys)"]["Same top p (%)"] == top1
-    assert "BCa bootstrap over block of 3 positions (32)" in md  # 4 windows of 24: 8 blocks of ceil(24 ** (1/3)) each
+    # 4 windows of 24: 8 blocks of ceil(24 ** (1/3)) each
+    assert "BCa bootstrap over the scored set's units (block of 3 positions (32): unit, and how many" in md
     assert f"{r['kl_mean']:.4g} ± {r['kl_mean_sigma']:.4g}" in md  # llama.cpp's figures, in their own table
     # key smoothing, position by position on the same windows: smoothed minus unsmoothed
     pos = {

@@ -137,8 +137,8 @@ def parse(prog: str, argv: list[str], config_name: str, aliases: dict[str, str] 
 
     Raises:
         UserError: a renamed or misspelled setting, a value out of range, a checkpoint path given as
-            ``model=PATH``, an unknown or missing launcher, more joblib workers than GPU slots, a
-            ``runs_dir`` that cannot be written (one line each).
+            ``model=PATH``, an unknown or missing launcher, more joblib workers than GPU slots, an
+            empty ``runs_dir`` or one that cannot be written (one line each).
     """
     args = get_args_parser().parse_args([(aliases or {}).get(a, a) for a in argv])
     inv = Invocation(prog, args.config_name or config_name, args)
@@ -172,7 +172,12 @@ def parse(prog: str, argv: list[str], config_name: str, aliases: dict[str, str] 
     finally:
         GlobalHydra.instance().clear()
     for cfg in configs:  # Hydra makes its log folder there before any job runs
-        files.check_writable(cfg.runs_dir)
+        if cfg.runs_dir == "":  # its log folder would be /logs/..., at the file system's root
+            raise UserError("runs_dir is empty")
+        try:
+            files.check_writable(cfg.runs_dir)
+        except UserError as e:  # name the setting: the folder may come from a default (runs/gate/...)
+            raise UserError(f"runs_dir: {e}") from None
     slots = len(gpu_slots.pool())  # also refuses a malformed $TILEINFER_GPUS
     workers = _check_launcher(launcher, slots) if args.multirun else 1
     swept = tuple(f"{o.get_key_element()}=" for o in parsed if o.is_sweep_override())  # as split_arguments writes

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from tileinfer.core.errors import exit_on_user_error
+from tileinfer.cli import exit_on_error
 from tileinfer.core.fetch import known_models, pull
 
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("name", help=f"model name ({', '.join(known_models())}) or a local path")
     parser.add_argument("--home", help="cache folder (default $TILEINFER_HOME or ~/.cache/tileinfer)")
     args = parser.parse_args(argv)
-    with exit_on_user_error("tileinfer.pull"):
+    with exit_on_error("tileinfer.pull"):
         print(pull(args.name, home=args.home))
 
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from evals import verdicts
 from quantize import QuantScheme, apply
-from tileinfer import gate
+from tests.passes import drift, full_logits
 from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
 from tileinfer.core.config import ModelConfig
 from tileinfer.core.registry import model_entry
 from tileinfer.engine.runner import ModelRunner
-from tileinfer.jobs import drift
 from tileinfer.models import Transformer
 
 pytestmark = pytest.mark.gpu
@@ -38,13 +38,13 @@ def _gate_check(checkpoint, backend, quant, chunk):
     sd = apply(checkpoint, None, QuantScheme("int8", "int8", smooth_keys=False))[0] if int8 else checkpoint.state_dict
     model = Transformer.from_state_dict(checkpoint.config, sd, device="cuda")
     g = torch.Generator().manual_seed(1)
-    stream = drift.Stream(tuple(torch.randint(0, MODEL["vocab_size"], (1280,), generator=g).tolist()), 1024)
-    ref = drift.full_logits(ModelRunner(model, "reference", kv_int8=int8, max_seq_len=1280), stream)
+    tokens = torch.randint(0, MODEL["vocab_size"], (1280,), generator=g).tolist()
+    ref = full_logits(ModelRunner(model, "reference", kv_int8=int8, max_seq_len=1280), tokens, 1024)
     runner = ModelRunner(model, backend, kv_int8=int8, max_seq_len=1280, prefill_chunk=chunk)
-    stats, _ = drift.score(runner, ref, decode_steps=0)
+    stats, _ = drift(runner, ref, decode_steps=0)
     print(f"{backend} {quant} chunk {chunk}: mean KL {stats['kl_mean']:.2e}, top-1 {stats['top1_agree']:.4f}")
     row = dict(stats, prompt_set="random", dtype="bfloat16", kv_cache="int8" if int8 else "bf16")
-    assert [v for v in gate.kernel_checks(row, GATE) if v["verdict"] == gate.FAIL] == []
+    assert [v for v in verdicts.kernel_checks(row, GATE) if v["verdict"] == verdicts.FAIL] == []
 
 
 @pytest.mark.parametrize("chunk", [512, 1], ids=["prefill", "decode"])

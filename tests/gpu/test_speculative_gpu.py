@@ -5,6 +5,7 @@ near-tie, as a verify step rounds differently from a decode step in BF16)."""
 import pytest
 import torch
 
+from evals.verdicts import tie_margin
 from quantize import QuantScheme, apply
 from tileinfer.core.checkpoint import Checkpoint
 from tileinfer.core.checkpoint.random_init import random_state_dict
@@ -14,7 +15,6 @@ from tileinfer.engine.generation import generate
 from tileinfer.engine.proposers import DraftModelProposer, NgramProposer
 from tileinfer.engine.runner import ModelRunner
 from tileinfer.engine.speculative import speculative_decode
-from tileinfer.jobs import schema
 from tileinfer.models import Transformer
 
 pytestmark = pytest.mark.gpu
@@ -88,7 +88,7 @@ def test_greedy_speculative_reply_equals_plain_or_parts_at_a_near_tie(checkpoint
         logits = runner.prefill(seq2, prompt + plain[:i])
         top2 = logits.topk(2).values
         print(f"{backend} {quant} {proposer}: parts at step {i}, margin {float(top2[0] - top2[1]):.4f}")
-        assert float(top2[0] - top2[1]) <= schema.tie_margin("bfloat16")
+        assert float(top2[0] - top2[1]) <= tie_margin("bfloat16")
 
 
 def random_drafter(target_config: dict, layers: tuple[int, ...]):
@@ -137,8 +137,9 @@ def random_drafter(target_config: dict, layers: tuple[int, ...]):
 def test_dflash_on_a_fast_backend_is_lossless(checkpoint, backend):
     """A random DFlash drafter on the target's backend: the reply equals plain greedy decoding (or parts
     at a near-tie), with the prompt's hidden states observed in prefill chunks as a job feeds them."""
+    from evals import drift
     from tileinfer.engine.dflash import DFlashProposer
-    from tileinfer.jobs import drift
+    from tileinfer.engine.snapshots import Snapshots
 
     model = model_of(checkpoint, "bf16")
     runner = ModelRunner(model, backend, max_seq_len=1024, prefill_chunk=128, cuda_graph=True)
@@ -146,7 +147,7 @@ def test_dflash_on_a_fast_backend_is_lossless(checkpoint, backend):
     prompt = torch.randint(0, MODEL["vocab_size"], (300,), generator=torch.Generator().manual_seed(6)).tolist()
     plain = generate(runner, prompt, 64).tokens
     seq = runner.new_sequence()
-    state, _ = drift.prefill(runner, seq, prompt, drift.Snapshots(None), None, proposer)
+    state, _ = drift.prefill(runner, seq, prompt, Snapshots(None), None, proposer)
     first = int(state.first.argmax())
     spec = drift.Speculation(proposer, 15)
     got = [first] + spec.run(runner, seq, prompt + [first], 63).reply.tokens
@@ -156,4 +157,4 @@ def test_dflash_on_a_fast_backend_is_lossless(checkpoint, backend):
         i = next(i for i, (a, b) in enumerate(zip(got, plain)) if a != b)
         logits = runner.prefill(runner.new_sequence(), prompt + plain[:i])
         top2 = logits.topk(2).values
-        assert float(top2[0] - top2[1]) <= schema.tie_margin("bfloat16")
+        assert float(top2[0] - top2[1]) <= tie_margin("bfloat16")
