@@ -145,6 +145,19 @@ def kernel_checks(row: dict, gate) -> list[dict]:
     ]
 
 
+def spec_outcome(row: dict) -> str | None:
+    """How a speculative row's greedy reply compares with the plain one: ``yes`` (token for token),
+    ``tie`` (it parts where the target's top-1 led its top-2 by at most :func:`tie_margin` of the row's
+    dtype: rounding between the verify and the decode path), ``mismatch`` (a wider margin, or none
+    known: a bug); None when nothing is compared (a plain row, sampled verification)."""
+    if row.get("spec") in (None, "none") or row.get("spec_exact") is None:
+        return None
+    margin = row.get("spec_mismatch_margin")
+    if row["spec_exact"]:
+        return "yes"
+    return "tie" if margin is not None and margin <= tie_margin(row.get("dtype")) else "mismatch"
+
+
 def spec_checks(row: dict, gate) -> list[dict]:
     """A speculative row verified greedily: its reply equals the plain greedy reply, or differs first
     at a near-tie (the target's top-1 minus top-2 logit there at most ``gate.spec_tie_margin`` of the

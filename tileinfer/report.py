@@ -43,7 +43,7 @@ import polars as pl  # noqa: E402
 
 from evals.intervals import paired_difference  # noqa: E402
 from evals.metrics import DEGENERATE_REPEAT, LLAMA_CPP_LABELS  # noqa: E402
-from evals.verdicts import SPEC_TIE_MARGIN, tie_margin  # noqa: E402
+from evals.verdicts import SPEC_TIE_MARGIN, spec_outcome  # noqa: E402
 from quantize import NAMED  # noqa: E402
 from tileinfer.cli import exit_on_error  # noqa: E402
 from tileinfer.core import files  # noqa: E402
@@ -58,15 +58,8 @@ CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # ...with one table row each 
 SPEC = {"spec": pl.String, "spec_k": pl.Int64, "spec_settings": pl.String, "spec_temperature": pl.Float64}
 # ...and one section per setup: the other identity columns, but those the ones above determine.
 DETERMINED = (
-    "prompt_set",
-    "prompts_sha256",
-    "corpus",
-    "model_sha256",
-    "weights",
-    "kv_cache",
-    "calibration_tokens",
-    "calibration_sha256",
-    "ctx_tokens",
+    *("prompt_set", "prompts_sha256", "corpus", "model_sha256", "weights", "kv_cache", "ctx_tokens"),
+    *("calibration_tokens", "calibration_sha256"),
 )
 SETUP = [c for c in identity.IDENTITY if c not in (*GROUP, *CONFIG, *SPEC, *DETERMINED)]
 DFLASH_NOTE = (
@@ -411,21 +404,15 @@ def position_plot(rows: pl.DataFrame, title: str, colors: dict, path: Path) -> t
 
 
 def exact_cell(r: dict) -> str:
-    """Whether a greedy speculative reply equals the plain one: ``yes``; ``no at step 12, margin 0.031:
-    near-tie`` (the target's top-1 led its top-2 by at most :func:`evals.verdicts.tie_margin` of the
-    row's dtype there: rounding); ``**no at step 3, margin 4.2: MISMATCH**`` (a wider margin, or none
-    known: a bug); ``– (sampled)`` when verification samples; ``–`` for a plain row."""
-    if r["spec"] == "none":
-        return "–"
-    if r.get("spec_exact") is None:
-        return "– (sampled)" if r.get("spec_temperature") else "?"
-    if r["spec_exact"]:
-        return "yes"
-    step, margin = r.get("spec_first_mismatch"), r.get("spec_mismatch_margin")
+    """Whether a greedy speculative reply equals the plain one (:func:`evals.verdicts.spec_outcome`):
+    ``yes``; ``no at step 12, margin 0.031: near-tie``; ``**no at step 3, margin 4.2: MISMATCH**``;
+    ``– (sampled)`` when verification samples; ``–`` for a plain row."""
+    outcome = spec_outcome(r)
+    if outcome in (None, "yes"):
+        return "–" if r["spec"] == "none" else "yes" if outcome else "– (sampled)" if r.get("spec_temperature") else "?"
+    step, margin = r.get("spec_first_mismatch"), _fmt(r.get("spec_mismatch_margin"), "{:.3g}")
     at = "no" + (f" at step {step}" if step is not None else "")
-    if _finite(margin) and margin <= tie_margin(r.get("dtype")):
-        return f"{at}, margin {margin:.3g}: near-tie"
-    return f"**{at}, margin {_fmt(margin, '{:.3g}')}: MISMATCH**"
+    return f"{at}, margin {margin}: near-tie" if outcome == "tie" else f"**{at}, margin {margin}: MISMATCH**"
 
 
 def _spec_label(r: dict) -> str:

@@ -10,27 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from types import MappingProxyType
 
 from evals.registry import EVALUATIONS
 
 # The configuration under test: model file, quantization, dtype, backend, speculative decoding.
 CONFIG = (
-    "model",
-    "model_sha256",
-    "quant",
-    "weights",
-    "kv_cache",
-    "smooth_keys",
-    "smooth_alpha",
-    "calibration_tokens",
-    "calibration_sha256",
-    "dtype",
-    "backend",
-    "spec",
-    "spec_k",
-    "spec_settings",
-    "spec_temperature",
-    "spec_seed",
+    *("model", "model_sha256", "quant", "weights", "kv_cache", "dtype", "backend"),
+    *("smooth_keys", "smooth_alpha", "calibration_tokens", "calibration_sha256"),
+    *("spec", "spec_k", "spec_settings", "spec_temperature", "spec_seed"),
 )
 # How it is scored: the scored set (prompts_sha256 hashes its token ids) and the columns each
 # evaluation adds (evals.registry: a corpus and its windows, the scored reply's length, BOS), the base
@@ -61,22 +49,15 @@ IDENTITY = CONFIG + SCORING + TIMING + MACHINE
 DRIFT = tuple(c for c in CONFIG if not c.startswith("spec")) + SCORING
 
 # Columns renamed since rows were first written: old name -> new name (old rows still load).
-RENAMED = {"reference": "base", "ppl_ref": "ppl_base", "p_ref_mean": "p_base_mean"}
+RENAMED = MappingProxyType({"reference": "base", "ppl_ref": "ppl_base", "p_ref_mean": "p_base_mean"})
 # Identity columns added since: the value that means what rows written before them did (add_bos:
 # null, "not a setting", as for the built-in chat prompts; text files got no BOS then; the spec
 # settings: null, as for spec=none, the only proposer then; corpus, n_windows: null, prompt sets only;
 # decode_repeats: 1, the decode steps were timed once; device_workers: 1, jobs ran one at a time).
-ADDED = {
-    "decode_repeats": 1,
-    "device_workers": 1,
-    "add_bos": None,
-    "spec_k": None,
-    "spec_settings": None,
-    "spec_temperature": None,
-    "spec_seed": None,
-    "corpus": None,
-    "n_windows": None,
-}
+ADDED = MappingProxyType(
+    {"decode_repeats": 1, "device_workers": 1}
+    | dict.fromkeys(("add_bos", "spec_k", "spec_settings", "spec_temperature", "spec_seed", "corpus", "n_windows"))
+)
 
 
 def content_hash(value) -> str:

@@ -161,20 +161,17 @@ class SpecGroup:
         k, its other settings that change its drafts (``spec_settings``: the draft checkpoint by hash,
         a DFlash drafter by path or repo), the temperature and, when verification samples, the seed;
         all None but ``spec`` for ``spec=none``."""
-        on = self.name != "none"
+        if self.name == "none":
+            return dict.fromkeys(("spec_k", "spec_settings", "spec_temperature", "spec_seed")) | {"spec": "none"}
+        dflash = Path(self.dflash or ".").expanduser()
         settings = {
-            "ngram": lambda: f"min_n={self.min_n},max_n={self.max_n}",
-            "draft": lambda: f"draft={self.draft_model}@{(draft_sha256 or '')[:12]},quant={self.draft_quant}",
-            "dflash": lambda: (
-                f"dflash={Path(self.dflash).expanduser() if Path(self.dflash).expanduser().exists() else self.dflash}"
-            ),
-        }
+            "ngram": f"min_n={self.min_n},max_n={self.max_n}",
+            "draft": f"draft={self.draft_model}@{(draft_sha256 or '')[:12]},quant={self.draft_quant}",
+            "dflash": f"dflash={dflash if dflash.exists() else self.dflash}",
+        }[self.name]
+        seed = self.seed if self.temperature > 0 else None
         return dict(
-            spec=self.name,
-            spec_k=self.k if on else None,
-            spec_settings=settings[self.name]() if on else None,
-            spec_temperature=self.temperature if on else None,
-            spec_seed=self.seed if on and self.temperature > 0 else None,
+            spec=self.name, spec_k=self.k, spec_settings=settings, spec_temperature=self.temperature, spec_seed=seed
         )
 
     def __post_init__(self):
@@ -245,15 +242,12 @@ class GateSettings:
         check_ranges(self, "gate.")
         if not isinstance(self.bounds, dict) or not self.bounds:
             raise UserError("gate.bounds: expected bounds per setup, e.g. gate.bounds.bfloat16.kl_mean=1e-3")
+        get = lambda d, k: d.get(k) if isinstance(d, dict) else None  # noqa: E731
         for setup, b in self.bounds.items():
             for metric, hi in (("kl_mean", None), ("kl_p999", None), ("top1_agree", 1.0)):
-                check_number(
-                    f"gate.bounds.{setup}.{metric}", b.get(metric) if isinstance(b, dict) else None, lo=0.0, hi=hi
-                )
+                check_number(f"gate.bounds.{setup}.{metric}", get(b, metric), lo=0.0, hi=hi)
         for metric in ("kl_mean", "kl_p999"):
-            check_number(
-                f"gate.floor.{metric}", self.floor.get(metric) if isinstance(self.floor, dict) else None, lo=0.0
-            )
+            check_number(f"gate.floor.{metric}", get(self.floor, metric), lo=0.0)
         for dtype, margin in self.spec_tie_margin.items():
             check_number(f"gate.spec_tie_margin.{dtype}", margin, lo=0.0)
 
@@ -320,10 +314,9 @@ def load(cfg: DictConfig) -> Config:
 def register() -> None:
     """Register the schema with Hydra (conf/config.yaml lists ``schema`` first in its defaults), each
     evaluation's settings as ``eval/NAME_schema`` (its conf/eval file lists that first), and the
-    ``${gpu_slots:}`` and ``${pid:}`` resolvers: log folders carry the process id, so two commands started in the same
-    second never share a folder (and a multirun's summary never mixes another run's jobs). Its value
-    is cached in the configuration, which Hydra's launchers hand to their worker processes: a worker
-    resolves the sweep folder with the command's pid, not its own."""
+    ``${gpu_slots:}`` and ``${pid:}`` resolvers. Log folders carry the process id, so two commands
+    started in the same second never share one; it is cached in the configuration, which launchers
+    hand to their workers: a worker resolves the sweep folder with the command's pid, not its own."""
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
     for name, evaluation in EVALUATIONS.items():

@@ -9,35 +9,19 @@ from pathlib import Path
 import polars as pl
 
 from evals.metrics import DEGENERATE_REPEAT
-from evals.verdicts import tie_margin
+from evals.verdicts import spec_outcome
 from tileinfer.core import files
 from tileinfer.jobs.rows import atomic_parquet
 from tileinfer.jobs.schema import PROPOSERS
 
 # Columns shown when a table is printed (all columns are saved).
-SHOWN = [
-    "model",
-    "quant",
-    "smooth_keys",
-    "ctx",
-    "prompt_set",
-    "backend",
-    "kl_mean",
-    "kl_p99",
-    "kl_max",
-    "top1_agree",
-    "greedy_agree_len",
-    "n_scored",
-    "prefill_tok_s",
-    "decode_tok_s",
+SHOWN = (
+    *("model", "quant", "smooth_keys", "ctx", "prompt_set", "backend", "kl_mean", "kl_p99", "kl_max", "top1_agree"),
+    *("greedy_agree_len", "n_scored", "prefill_tok_s", "decode_tok_s"),
     # speculative decoding (shown where a row speculates: write_summary): proposer, mean acceptance
     # length, speed-up over plain decoding and whether the greedy reply stayed the plain one
-    "spec",
-    "spec_k",
-    "spec_acceptance_length",
-    "spec_speedup",
-    "spec_exact",
-]
+    *("spec", "spec_k", "spec_acceptance_length", "spec_speedup", "spec_exact"),
+)
 
 
 def _fmt(df: pl.DataFrame, shown=SHOWN) -> pl.DataFrame:
@@ -70,9 +54,9 @@ def to_markdown(df: pl.DataFrame) -> str:
 
 
 # A printed table: these identity columns where they vary (else once, in a line above it)...
-PRINTED_IDENTITY = ["model", "quant", "ctx", "prompt_set", "backend", "base", "device"]
+PRINTED_IDENTITY = ("model", "quant", "ctx", "prompt_set", "backend", "base", "device")
 # ...then these (every column is in the saved summary), and the repetition of the scored reply.
-PRINTED = ["kl_mean", "kl_p99", "top1_agree", "greedy_agree_len", "decode_tok_s"]
+PRINTED = ("kl_mean", "kl_p99", "top1_agree", "greedy_agree_len", "decode_tok_s")
 PRINT_WIDTH = 120
 
 
@@ -110,16 +94,12 @@ def _repeat(frac, degenerate) -> str:
     return (f"{100 * frac:.0f}%" if frac is not None else "") + (" !" if degenerate else "")
 
 
-def _exact(exact, step, margin, dtype) -> str:
-    """The ``exact`` cell of a speculative row: ``yes``; ``tie@N`` (it first differs at step N, where the
-    target's top two logits were within the near-tie margin of the row's dtype: rounding); ``NO@N`` (a
-    wider margin, or none known: a bug); ``–`` when verification samples."""
-    if exact is None:
-        return "–"
-    if exact:
-        return "yes"
-    tie = margin is not None and margin <= tie_margin(dtype)  # an unknown or NaN margin is no tie
-    return ("tie" if tie else "NO") + ("" if step is None else f"@{step}")
+def _exact(row: dict) -> str:
+    """The ``exact`` cell of a speculative row (:func:`evals.verdicts.spec_outcome`): ``yes``, ``tie@N``
+    (it first differs at step N, at a near-tie), ``NO@N`` (a bug), ``–`` (sampled)."""
+    outcome, step = spec_outcome(row), row.get("spec_first_mismatch")
+    at = "" if step is None else f"@{step}"
+    return {None: "–", "yes": "yes", "tie": f"tie{at}"}.get(outcome, f"NO{at}")
 
 
 def print_table(df: pl.DataFrame, where=None) -> None:
@@ -144,24 +124,21 @@ def print_table(df: pl.DataFrame, where=None) -> None:
         order, keys = list(PROPOSERS), [c for c in ("spec_k", "spec_settings", "spec_temperature") if c in df.columns]
         rank = pl.col("spec").replace_strict(order, list(range(len(order))), default=len(order))
         df = df.sort(rank, "spec", *keys, maintain_order=True, nulls_last=False)
-        cols = ["spec_k", "spec_acceptance_length", "spec_speedup", "spec_exact", "spec_first_mismatch"]
-        cols = [
-            pl.col(c) if c in df.columns else pl.lit(None).alias(c) for c in (*cols, "spec_mismatch_margin", "dtype")
-        ]
         cells = {"spec_k": [], "acc_len": [], "speedup": [], "exact": []}
-        for name, k, length, speedup, *exact in df.select("spec", *cols).iter_rows():
-            plain = name == "none"
+        for r in df.iter_rows(named=True):
+            k, length, speedup = r.get("spec_k"), r.get("spec_acceptance_length"), r.get("spec_speedup")
+            plain = r["spec"] == "none"
             cells["spec_k"].append("" if plain or k is None else str(k))
             cells["acc_len"].append("" if plain or length is None else f"{length:.2f}")
             cells["speedup"].append("" if plain or speedup is None else f"{speedup:.2f}")
-            cells["exact"].append("" if plain else _exact(*exact))
+            cells["exact"].append("" if plain else _exact(r))
         df = df.with_columns(pl.Series(c, v, dtype=pl.String) for c, v in cells.items())
         if bad := sum(c.startswith("NO") for c in cells["exact"]):  # named by the table's NO@N
             mismatch = f"{bad} speculative row(s) parted from the plain greedy reply beyond a near-tie (NO@step)"
         shown = ["kl_mean", "decode_tok_s", "spec", *cells]
     ident = [c for c in PRINTED_IDENTITY if c in df.columns]
     constant = [c for c in ident if df[c].n_unique() == 1]
-    shown = [c for c in ident if c not in constant] + shown
+    shown = [*(c for c in ident if c not in constant), *shown]
     if {"degenerate", "reply_repeat_frac"} & set(df.columns):
         cols = [(pl.col(c) if c in df.columns else pl.lit(None)).alias(c) for c in ("reply_repeat_frac", "degenerate")]
         df = df.with_columns(repeat=pl.Series([_repeat(f, d) for f, d in df.select(cols).iter_rows()], dtype=pl.String))
