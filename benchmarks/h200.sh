@@ -6,7 +6,7 @@
 # Needs: the cuTile toolchain and the Python deps installed in /tmp/tile (device bundles), the
 # SmolLM2 GGUF in $TILEINFER_HOME, a Qwen tokenizer folder in $QWEN_TOKENIZER. Writes $OUT/h200.tar.gz.
 # Optional: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_PROFILE=0 (the ncu profile, ~2.5 min), BACKENDS=triton,cutile, QUANTS=bf16,int8_both, and STREAMS=DIR (a
-# runs/cache folder of an earlier run: its base replies are reused instead of generated again).
+# runs/cache folder of an earlier run: its recorded base side is reused instead of computed again).
 set -u
 export PYTHONPATH=/tmp/tile/site PATH=/tmp/tile/cu13/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 unset CUDA_HOME CUDA_PATH

@@ -157,6 +157,12 @@ def parse(prog: str, argv: list[str], config_name: str, aliases: dict[str, str] 
                 raise UserError(f"model={value}: a local checkpoint is given as model.path={value}")
     jobs = BasicSweeper.split_arguments(parsed, None)[0] if args.multirun else [list(args.overrides)]
     hydra = _hydra(args.config_dir)
+    for o in parsed:  # a group given a number (ctx=0), which Hydra answers without the options
+        key, options = o.get_key_element(), hydra.config_loader.get_group_options(o.get_key_element())
+        values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
+        if options and any(not isinstance(v, str) for v in values):
+            setting = f", or a setting such as {key}.tokens=N" if key == "ctx" else ""
+            raise UserError(f"{o.input_line}: {key} takes one of {', '.join(options)}{setting}")
     configs, launcher = [], None
     try:
         for overrides in jobs:
@@ -168,7 +174,7 @@ def parse(prog: str, argv: list[str], config_name: str, aliases: dict[str, str] 
     except UserError:
         raise
     except Exception as e:  # Hydra's parse, composition and type errors, in one line
-        raise UserError(_launcher_hint(parsed) or _group_hint(e) or _first_line(e)) from None
+        raise UserError(_launcher_hint(parsed) or _first_line(e)) from None
     finally:
         GlobalHydra.instance().clear()
     for cfg in configs:  # Hydra makes its log folder there before any job runs
@@ -193,14 +199,6 @@ def _launcher_hint(parsed) -> str | None:
             plugin, extra = LAUNCHERS[value]
             return f'hydra/launcher={value} needs {plugin.replace("_", "-")}: pip install -e ".[{extra}]"'
     return None
-
-
-def _group_hint(e: Exception) -> str | None:
-    """A config group given a number (``ctx=0``), which Hydra answers without the options."""
-    text = str(e)
-    if "Config group override must be a string" not in text:
-        return None
-    return f"{text.splitlines()[0]}: a group takes an option's name (ctx=1k, 8k, ...) or a setting (ctx.tokens=N)"
 
 
 def _check_launcher(launcher: dict, slots: int) -> int | None:

@@ -313,13 +313,13 @@ def load(cfg: DictConfig) -> Config:
 
 def register() -> None:
     """Register the schema with Hydra (conf/config.yaml lists ``schema`` first in its defaults), each
-    evaluation's settings as ``eval/NAME_schema`` (its conf/eval file lists that first), and the
+    evaluation's settings as ``evaluation/NAME`` (its conf/eval file extends it), and the
     ``${gpu_slots:}`` and ``${pid:}`` resolvers. Log folders carry the process id, so two commands
     started in the same second never share one; it is cached in the configuration, which launchers
     hand to their workers: a worker resolves the sweep folder with the command's pid, not its own."""
     cs = ConfigStore.instance()
     cs.store(name="schema", node=Config)
     for name, evaluation in EVALUATIONS.items():
-        cs.store(group="eval", name=f"{name}_schema", node=evaluation.Settings)
+        cs.store(group="evaluation", name=name, node=evaluation.Settings)
     OmegaConf.register_new_resolver("pid", os.getpid, replace=True, use_cache=True)
     OmegaConf.register_new_resolver("gpu_slots", gpu_slots.slot_count, replace=True)  # conf/hydra/launcher/gpus.yaml
