@@ -8,14 +8,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from evals import verdicts
 from evals.base_logits import TopKLogits
 from evals.intervals import row_intervals
 from tests import faults
-from tileinfer import gate
+from tests.passes import drift, full_logits
 from tileinfer.core.checkpoint import load_checkpoint
 from tileinfer.core.errors import UserError
 from tileinfer.engine.runner import ModelRunner
-from tileinfer.jobs import drift
+from tileinfer.jobs.identity import DRIFT
 from tileinfer.jobs.schema import GateSettings
 from tileinfer.models import Transformer
 
@@ -36,14 +37,15 @@ def kernel_verdicts(model, ops, refs, kv_cache="bf16"):
     out = []
     for name, ref in refs.items():
         runner = ModelRunner(model, backend=ops, kv_int8=kv_cache == "int8", max_seq_len=1152)
-        stats, per_pos = drift.score(runner, ref, decode_steps=0)
+        stats, result = drift(runner, ref, decode_steps=0)
+        per_pos = result.per_position
         stats |= row_intervals(per_pos, torch.zeros(len(per_pos["kl"])), "prompt")
-        out += gate.kernel_checks(dict(stats, prompt_set=name, dtype="bfloat16", kv_cache=kv_cache), GATE)
+        out += verdicts.kernel_checks(dict(stats, prompt_set=name, dtype="bfloat16", kv_cache=kv_cache), GATE)
     return out
 
 
-def failed(verdicts):
-    return [(v["prompt_set"], v["metric"]) for v in verdicts if v["verdict"] == gate.FAIL]
+def failed(checks):
+    return [(v["prompt_set"], v["metric"]) for v in checks if v["verdict"] == verdicts.FAIL]
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +57,7 @@ def stored():
 def int8_kv_refs(smollm2, stored):
     """Live base logits of the INT8-KV configuration on the stored streams (the scale fault needs them)."""
     runner = ModelRunner(smollm2, kv_int8=True, max_seq_len=1152)
-    return {
-        s: drift.full_logits(runner, drift.Stream(tuple(int(t) for t in r.tokens), r.prompt_len))
-        for s, r in stored.items()
-    }
+    return {s: full_logits(runner, r.tokens, r.prompt_len) for s, r in stored.items()}
 
 
 def test_reference_backend_passes_against_its_stored_reference(smollm2, stored):
@@ -122,43 +121,45 @@ def row(**kw):
 @pytest.mark.parametrize(
     "value,lo,hi,bound,higher_is_better,verdict",
     [
-        (0.9e-3, 0.5e-3, 1.5e-3, 1e-3, False, gate.PASS),  # estimate within the bound
-        (1.1e-3, 0.8e-3, 1.5e-3, 1e-3, False, gate.NOISE),  # beyond it, but the interval reaches it
-        (1.1e-3, 1e-3, 1.5e-3, 1e-3, False, gate.NOISE),  # the interval touches it: not shown worse
-        (1.2e-3, 1.0001e-3, 1.5e-3, 1e-3, False, gate.FAIL),  # the whole interval beyond it
-        (0.97, 0.95, 0.99, 0.98, True, gate.NOISE),
-        (0.97, 0.95, 0.98, 0.98, True, gate.NOISE),
-        (0.97, 0.95, 0.9799, 0.98, True, gate.FAIL),
-        (0.985, 0.95, 0.99, 0.98, True, gate.PASS),
+        (0.9e-3, 0.5e-3, 1.5e-3, 1e-3, False, verdicts.PASS),  # estimate within the bound
+        (1.1e-3, 0.8e-3, 1.5e-3, 1e-3, False, verdicts.NOISE),  # beyond it, but the interval reaches it
+        (1.1e-3, 1e-3, 1.5e-3, 1e-3, False, verdicts.NOISE),  # the interval touches it: not shown worse
+        (1.2e-3, 1.0001e-3, 1.5e-3, 1e-3, False, verdicts.FAIL),  # the whole interval beyond it
+        (0.97, 0.95, 0.99, 0.98, True, verdicts.NOISE),
+        (0.97, 0.95, 0.98, 0.98, True, verdicts.NOISE),
+        (0.97, 0.95, 0.9799, 0.98, True, verdicts.FAIL),
+        (0.985, 0.95, 0.99, 0.98, True, verdicts.PASS),
     ],
 )
 def test_a_check_fails_only_when_its_interval_lies_beyond_the_bound(value, lo, hi, bound, higher_is_better, verdict):
-    assert gate.judge(value, lo, hi, bound, higher_is_better) == verdict
+    assert verdicts.judge(value, lo, hi, bound, higher_is_better) == verdict
 
 
 def test_kernel_checks_use_the_row_intervals_and_skip_p999_on_few_positions():
     r = row(kernel=True, kv_cache="bf16", kl_mean=1.2e-3, kl_mean_lo=0.9e-3, kl_mean_hi=1.6e-3, kl_p999=0.5)
     r |= dict(top1_agree=0.965, top1_agree_lo=0.95, top1_agree_hi=0.975)
-    verdicts = {v["metric"]: v for v in gate.kernel_checks(r, GATE)}
-    assert verdicts["kl_mean"]["verdict"] == gate.NOISE and verdicts["kl_mean"]["lo"] == 0.9e-3
-    assert verdicts["top1_agree"]["verdict"] == gate.NOISE
-    assert verdicts["kl_p999"]["verdict"] == gate.SKIP  # 128 positions: the 99.9% point is the maximum
-    many = {v["metric"]: v["verdict"] for v in gate.kernel_checks(r | dict(n_scored=GATE.p999_min_positions), GATE)}
-    assert many["kl_p999"] == gate.FAIL  # no interval columns: judged by the point estimate
-    worse = gate.kernel_checks(r | dict(kl_mean_lo=1.01e-3), GATE)
-    assert [v["verdict"] for v in worse if v["metric"] == "kl_mean"] == [gate.FAIL]
+    checks = {v["metric"]: v for v in verdicts.kernel_checks(r, GATE)}
+    assert checks["kl_mean"]["verdict"] == verdicts.NOISE and checks["kl_mean"]["lo"] == 0.9e-3
+    assert checks["top1_agree"]["verdict"] == verdicts.NOISE
+    assert checks["kl_p999"]["verdict"] == verdicts.SKIP  # 128 positions: the 99.9% point is the maximum
+    many = {v["metric"]: v["verdict"] for v in verdicts.kernel_checks(r | dict(n_scored=GATE.p999_min_positions), GATE)}
+    assert many["kl_p999"] == verdicts.FAIL  # no interval columns: judged by the point estimate
+    worse = verdicts.kernel_checks(r | dict(kl_mean_lo=1.01e-3), GATE)
+    assert [v["verdict"] for v in worse if v["metric"] == "kl_mean"] == [verdicts.FAIL]
 
 
 def test_baseline_checks_and_verdict_table():
     baseline = pl.DataFrame([row()])
-    ok = gate.evaluate(pl.DataFrame([row(kl_mean=4.0e-3)]), baseline, GATE)
-    assert list(ok["verdict"]) == [gate.PASS, gate.SKIP, gate.PASS] and list(ok["check"]) == ["baseline"] * 3
-    worse = gate.evaluate(pl.DataFrame([row(kl_mean=5.0e-3, top1_agree=0.95)]), baseline, GATE)
-    bad = worse.filter(pl.col("verdict") == gate.FAIL)
+    ok = verdicts.evaluate(pl.DataFrame([row(kl_mean=4.0e-3)]), baseline, GATE, DRIFT)
+    assert (
+        list(ok["verdict"]) == [verdicts.PASS, verdicts.SKIP, verdicts.PASS] and list(ok["check"]) == ["baseline"] * 3
+    )
+    worse = verdicts.evaluate(pl.DataFrame([row(kl_mean=5.0e-3, top1_agree=0.95)]), baseline, GATE, DRIFT)
+    bad = worse.filter(pl.col("verdict") == verdicts.FAIL)
     assert sorted(bad["metric"]) == ["kl_mean", "top1_agree"]
     assert bad.filter(pl.col("metric") == "kl_mean")["bound"][0] == pytest.approx(3.8e-3 * 1.1 + 5e-4)
-    missing = gate.evaluate(pl.DataFrame([row(quant="int8_kv")]), baseline, GATE)
-    assert missing["metric"].to_list() == ["row present"] and missing["verdict"][0] == gate.FAIL
+    missing = verdicts.evaluate(pl.DataFrame([row(quant="int8_kv")]), baseline, GATE, DRIFT)
+    assert missing["metric"].to_list() == ["row present"] and missing["verdict"][0] == verdicts.FAIL
 
 
 def run_gate(*args, flags=()):

@@ -1,8 +1,8 @@
 """The gate's decisions at their edges (issue 15, "boundaries never pinned"), and its verdict table.
 
-Every comparison of tileinfer.gate is driven with a value exactly on its bound and one float64 ulp
-beyond it (``math.nextafter``), so turning a ``<=``/``>=`` into a strict one, or the reverse, changes
-a verdict; the interval rule is checked at both ends of the interval (swapping them changes a
+Every comparison of the gate's rules (evals.verdicts) is driven with a value exactly on its bound and
+one float64 ulp beyond it (``math.nextafter``), so turning a ``<=``/``>=`` into a strict one, or the
+reverse, changes a verdict; the interval rule is checked at both ends of the interval (swapping them changes a
 verdict); 99.9% KL is checked from exactly ``p999_min_positions`` positions and skipped one below.
 Every bound is checked for its own number, worked out by hand on a gate table whose entries all
 differ and are exact in binary (so a bound computed from the wrong entry, e.g. 99.9% KL given the
@@ -16,8 +16,10 @@ import math
 import polars as pl
 import pytest
 
+from evals import verdicts
 from tests.test_gate import row as gate_row
-from tileinfer import gate
+from tileinfer.core.errors import UserError
+from tileinfer.jobs.identity import DRIFT
 
 # Distinct for every setup and metric; powers of two (and sums of few) so every bound is exact.
 BOUNDS = {
@@ -62,8 +64,8 @@ def kernel_row(dtype="bfloat16", kv_cache="bf16", n_scored=2000, **metrics):
     return r
 
 
-def by_metric(verdicts):
-    return {v["metric"]: v for v in verdicts}
+def by_metric(checks):
+    return {v["metric"]: v for v in checks}
 
 
 # --- judge: the interval rule at its edges ---------------------------------------------------------
@@ -76,15 +78,18 @@ def test_an_estimate_exactly_on_the_bound_passes_and_one_ulp_beyond_is_noise(hig
     comparison for the pass (on the bound: noise instead of pass) and a pass without its equality."""
     b = 0.5
     lo, hi = 0.25, 0.75  # the interval straddles the bound: never a FAIL
-    assert gate.judge(b, lo, hi, b, higher_is_better) == gate.PASS
-    assert gate.judge(b, b, b, b, higher_is_better) == gate.PASS  # a point interval on the bound
-    assert gate.judge(beyond(b, higher_is_better), lo, hi, b, higher_is_better) == gate.NOISE
-    assert gate.judge(within(b, higher_is_better), lo, hi, b, higher_is_better) == gate.PASS
+    assert verdicts.judge(b, lo, hi, b, higher_is_better) == verdicts.PASS
+    assert verdicts.judge(b, b, b, b, higher_is_better) == verdicts.PASS  # a point interval on the bound
+    assert verdicts.judge(beyond(b, higher_is_better), lo, hi, b, higher_is_better) == verdicts.NOISE
+    assert verdicts.judge(within(b, higher_is_better), lo, hi, b, higher_is_better) == verdicts.PASS
 
 
 def test_judge_defaults_to_a_metric_where_lower_is_better():
     """KL is the usual metric: without ``higher_is_better``, an estimate below the bound passes."""
-    assert gate.judge(0.25, 0.125, 0.75, 0.5) == gate.PASS and gate.judge(0.75, 0.625, 0.875, 0.5) == gate.FAIL
+    assert (
+        verdicts.judge(0.25, 0.125, 0.75, 0.5) == verdicts.PASS
+        and verdicts.judge(0.75, 0.625, 0.875, 0.5) == verdicts.FAIL
+    )
 
 
 @pytest.mark.parametrize("higher_is_better", [False, True])
@@ -96,34 +101,34 @@ def test_an_interval_ending_exactly_on_the_bound_is_noise_and_one_ulp_beyond_fai
     near = b
     lo, hi = (far, near) if higher_is_better else (near, far)
     value = (lo + hi) / 2
-    assert gate.judge(value, lo, hi, b, higher_is_better) == gate.NOISE
+    assert verdicts.judge(value, lo, hi, b, higher_is_better) == verdicts.NOISE
     near = beyond(b, higher_is_better)
     lo, hi = (far, near) if higher_is_better else (near, far)
-    assert gate.judge(value, lo, hi, b, higher_is_better) == gate.FAIL
-    assert gate.judge(near, near, near, b, higher_is_better) == gate.FAIL  # a point estimate one ulp beyond
+    assert verdicts.judge(value, lo, hi, b, higher_is_better) == verdicts.FAIL
+    assert verdicts.judge(near, near, near, b, higher_is_better) == verdicts.FAIL  # a point estimate one ulp beyond
 
 
 @pytest.mark.parametrize("higher_is_better", [False, True])
 def test_the_interval_end_on_the_good_side_never_fails_a_check(higher_is_better):
     """Only the near end decides a FAIL: an estimate within the bound whose interval's far end lies
     beyond it passes, and an estimate beyond it whose far end is within is noise. Catches the interval's
-    ends swapped in :func:`gate.judge` (lo for hi) and in :func:`gate.interval`."""
+    ends swapped in :func:`verdicts.judge` (lo for hi) and in :func:`verdicts.interval`."""
     metric = "top1_agree" if higher_is_better else "kl_mean"
     b = BOUNDS["bfloat16"][metric]  # 0.96875, 2**-10: the kernel check's own bound
     if higher_is_better:  # estimate within the bound, the interval's far end beyond it
         value, lo, hi = 0.984375, 0.9375, 0.9921875
     else:
         value, lo, hi = 0.875 * b, 0.75 * b, 1.75 * b
-    assert gate.judge(value, lo, hi, b, higher_is_better) == gate.PASS
+    assert verdicts.judge(value, lo, hi, b, higher_is_better) == verdicts.PASS
     # an estimate beyond the bound, the interval's end on the good side within it: noise, not a FAIL
     beyond_but_reaching = (0.9, 0.5, 0.984375) if higher_is_better else (1.5 * b, 0.5 * b, 2.5 * b)
-    assert gate.judge(*beyond_but_reaching, b, higher_is_better) == gate.NOISE
-    assert gate.interval({metric: value, f"{metric}_lo": lo, f"{metric}_hi": hi}, metric) == (lo, hi)
-    assert gate.interval({metric: value}, metric) == (value, value)  # no interval columns: the point twice
-    assert gate.interval({metric: value, f"{metric}_lo": lo, f"{metric}_hi": None}, metric) == (value, value)
-    assert gate.interval({metric: value, f"{metric}_lo": None, f"{metric}_hi": hi}, metric) == (value, value)
-    v = by_metric(gate.kernel_checks(kernel_row(**{metric: (value, lo, hi)}), G))[metric]
-    assert (v["lo"], v["hi"], v["verdict"]) == (lo, hi, gate.PASS)
+    assert verdicts.judge(*beyond_but_reaching, b, higher_is_better) == verdicts.NOISE
+    assert verdicts.interval({metric: value, f"{metric}_lo": lo, f"{metric}_hi": hi}, metric) == (lo, hi)
+    assert verdicts.interval({metric: value}, metric) == (value, value)  # no interval columns: the point twice
+    assert verdicts.interval({metric: value, f"{metric}_lo": lo, f"{metric}_hi": None}, metric) == (value, value)
+    assert verdicts.interval({metric: value, f"{metric}_lo": None, f"{metric}_hi": hi}, metric) == (value, value)
+    v = by_metric(verdicts.kernel_checks(kernel_row(**{metric: (value, lo, hi)}), G))[metric]
+    assert (v["lo"], v["hi"], v["verdict"]) == (lo, hi, verdicts.PASS)
 
 
 # --- 99.9% KL from p999_min_positions positions -----------------------------------------------------
@@ -135,26 +140,32 @@ def test_p999_is_checked_from_exactly_min_positions_and_skipped_one_below():
     Catches ``>`` for ``>=`` and an off-by-one count, in the kernel and the baseline checks."""
     b = BOUNDS["bfloat16"]["kl_p999"]
     r = kernel_row(kl_p999=beyond(b, False))
-    assert by_metric(gate.kernel_checks(r, G))["kl_p999"]["verdict"] == gate.FAIL
-    assert gate.p999_checked(r, G) and not gate.p999_checked(r | dict(n_scored=1999), G)
-    assert not gate.p999_checked({k: v for k, v in r.items() if k != "n_scored"}, G)
-    assert not gate.p999_checked(r | dict(n_scored=None), G)
-    few = by_metric(gate.kernel_checks(r | dict(n_scored=1999, kl_mean=1.0, top1_agree=0.0), G))
-    assert [few[m]["verdict"] for m in ("kl_mean", "kl_p999", "top1_agree")] == [gate.FAIL, gate.SKIP, gate.FAIL]
+    assert by_metric(verdicts.kernel_checks(r, G))["kl_p999"]["verdict"] == verdicts.FAIL
+    assert verdicts.p999_checked(r, G) and not verdicts.p999_checked(r | dict(n_scored=1999), G)
+    assert not verdicts.p999_checked({k: v for k, v in r.items() if k != "n_scored"}, G)
+    assert not verdicts.p999_checked(r | dict(n_scored=None), G)
+    few = by_metric(verdicts.kernel_checks(r | dict(n_scored=1999, kl_mean=1.0, top1_agree=0.0), G))
+    assert [few[m]["verdict"] for m in ("kl_mean", "kl_p999", "top1_agree")] == [
+        verdicts.FAIL,
+        verdicts.SKIP,
+        verdicts.FAIL,
+    ]
     base = kernel_row(**BASE)
     over = kernel_row(kl_p999=beyond(BASELINE_BOUND["kl_p999"], False), kl_mean=1.0)
-    assert by_metric(gate.baseline_checks(over, base, G))["kl_p999"]["verdict"] == gate.FAIL
-    few = by_metric(gate.baseline_checks(over | dict(n_scored=1999), base, G))
-    assert few["kl_p999"]["verdict"] == gate.SKIP and few["kl_mean"]["verdict"] == gate.FAIL
+    assert by_metric(verdicts.baseline_checks(over, base, G))["kl_p999"]["verdict"] == verdicts.FAIL
+    few = by_metric(verdicts.baseline_checks(over | dict(n_scored=1999), base, G))
+    assert few["kl_p999"]["verdict"] == verdicts.SKIP and few["kl_mean"]["verdict"] == verdicts.FAIL
 
 
 def test_the_p999_threshold_is_the_settings_own():
     """The count comes from ``gate.p999_min_positions`` (here 100, then 1), not a constant; a row without
     a count has none, so even a threshold of 1 skips it."""
     g = G | dict(p999_min_positions=100)
-    assert gate.p999_checked(kernel_row(n_scored=100), g) and not gate.p999_checked(kernel_row(n_scored=99), g)
+    assert verdicts.p999_checked(kernel_row(n_scored=100), g) and not verdicts.p999_checked(kernel_row(n_scored=99), g)
     one = G | dict(p999_min_positions=1)
-    assert gate.p999_checked(kernel_row(n_scored=1), one) and not gate.p999_checked(kernel_row(n_scored=None), one)
+    assert verdicts.p999_checked(kernel_row(n_scored=1), one) and not verdicts.p999_checked(
+        kernel_row(n_scored=None), one
+    )
 
 
 # --- kernel bounds: each setup's own numbers ---------------------------------------------------------
@@ -167,21 +178,21 @@ def test_kernel_checks_use_their_setups_own_bounds(dtype, kv_cache):
     fails (point intervals). Catches one metric's bound used for another, the INT8 cache ignored, a
     strict comparison."""
     setup = dtype + ("-int8kv" if kv_cache == "int8" else "")
-    assert gate.setup_of(kernel_row(dtype, kv_cache)) == setup
+    assert verdicts.setup_of(kernel_row(dtype, kv_cache)) == setup
     b = BOUNDS[setup]
-    on = by_metric(gate.kernel_checks(kernel_row(dtype, kv_cache, **b) | dict(prompt_set="explain"), G))
+    on = by_metric(verdicts.kernel_checks(kernel_row(dtype, kv_cache, **b) | dict(prompt_set="explain"), G))
     for m in ("kl_mean", "kl_p999", "top1_agree"):
-        assert (on[m]["bound"], on[m]["candidate"], on[m]["verdict"]) == (b[m], b[m], gate.PASS), m
+        assert (on[m]["bound"], on[m]["candidate"], on[m]["verdict"]) == (b[m], b[m], verdicts.PASS), m
         assert (on[m]["check"], on[m]["prompt_set"], on[m]["baseline"]) == ("kernel", "explain", None), m
     for m in ("kl_mean", "kl_p999", "top1_agree"):
         off = kernel_row(dtype, kv_cache, **(b | {m: beyond(b[m], m == "top1_agree")}))
-        verdicts = {k: v["verdict"] for k, v in by_metric(gate.kernel_checks(off, G)).items()}
-        assert verdicts == {k: gate.FAIL if k == m else gate.PASS for k in verdicts}, m
+        got = {k: v["verdict"] for k, v in by_metric(verdicts.kernel_checks(off, G)).items()}
+        assert got == {k: verdicts.FAIL if k == m else verdicts.PASS for k in got}, m
 
 
 def test_a_setup_missing_from_the_table_is_a_usage_error():
-    with pytest.raises(gate.UserError, match="no entry 'float16'"):
-        gate.kernel_checks(kernel_row("float16"), G)
+    with pytest.raises(UserError, match="no entry 'float16'"):
+        verdicts.kernel_checks(kernel_row("float16"), G)
 
 
 # --- baseline bounds: base * (1 + max_increase) + the metric's own floor -----------------------------
@@ -192,15 +203,15 @@ def test_baseline_bounds_by_hand_and_values_exactly_on_them():
     mean-KL floor it would be 1.625), top-1 0.75 - 0.125 = 0.625. A candidate exactly on all three
     passes; one ulp beyond on any one fails that one only."""
     base = kernel_row(**BASE)
-    on = by_metric(gate.baseline_checks(kernel_row(**BASELINE_BOUND), base, G))
+    on = by_metric(verdicts.baseline_checks(kernel_row(**BASELINE_BOUND), base, G))
     assert {m: v["bound"] for m, v in on.items()} == {"kl_mean": 0.5, "kl_p999": 1.5625, "top1_agree": 0.625}
     assert {m: v["baseline"] for m, v in on.items()} == BASE
-    assert {m: v["verdict"] for m, v in on.items()} == dict.fromkeys(BASE, gate.PASS)
+    assert {m: v["verdict"] for m, v in on.items()} == dict.fromkeys(BASE, verdicts.PASS)
     assert {v["check"] for v in on.values()} == {"baseline"}
     for m in BASE:
         off = kernel_row(**(BASELINE_BOUND | {m: beyond(BASELINE_BOUND[m], m == "top1_agree")}))
-        verdicts = {k: v["verdict"] for k, v in by_metric(gate.baseline_checks(off, base, G)).items()}
-        assert verdicts == {k: gate.FAIL if k == m else gate.PASS for k in verdicts}, m
+        got = {k: v["verdict"] for k, v in by_metric(verdicts.baseline_checks(off, base, G)).items()}
+        assert got == {k: verdicts.FAIL if k == m else verdicts.PASS for k in got}, m
 
 
 def test_baseline_bounds_follow_each_setting():
@@ -209,7 +220,7 @@ def test_baseline_bounds_follow_each_setting():
     base = kernel_row(**BASE)
 
     def bounds(**kw):
-        return {m: v["bound"] for m, v in by_metric(gate.baseline_checks(base, base, G | kw)).items()}
+        return {m: v["bound"] for m, v in by_metric(verdicts.baseline_checks(base, base, G | kw)).items()}
 
     assert bounds(max_increase=1.0) == {"kl_mean": 0.625, "kl_p999": 2.0625, "top1_agree": 0.625}
     assert bounds(floor={"kl_mean": 0.25, "kl_p999": 0.0625}) == {
@@ -233,7 +244,7 @@ def test_the_stand_in_reference_row_widens_each_bound_by_its_own_kernel_bound(dt
         "kl_p999": BASELINE_BOUND["kl_p999"] + k["kl_p999"],
         "top1_agree": BASELINE_BOUND["top1_agree"] - (1 - k["top1_agree"]),
     }
-    assert gate.fallback_margin(kernel_row(dtype, kv_cache), G) == {
+    assert verdicts.fallback_margin(kernel_row(dtype, kv_cache), G) == {
         "kl_mean": k["kl_mean"],
         "kl_p999": k["kl_p999"],
         "top1_agree": 1 - k["top1_agree"],
@@ -241,14 +252,14 @@ def test_the_stand_in_reference_row_widens_each_bound_by_its_own_kernel_bound(dt
     ref = gate_row(dtype=dtype, kv_cache=kv_cache, n_scored=2000, **BASE)
     baseline = pl.DataFrame([{n: v for n, v in ref.items() if n != "kernel"}])
     cand = gate_row(dtype=dtype, kv_cache=kv_cache, n_scored=2000, backend="triton", **want)
-    v = gate.evaluate(pl.DataFrame([cand]), baseline, G)
-    assert v["check"].to_list() == [gate.FALLBACK_CHECK] * 3
+    v = verdicts.evaluate(pl.DataFrame([cand]), baseline, G, DRIFT)
+    assert v["check"].to_list() == [verdicts.FALLBACK_CHECK] * 3
     assert dict(zip(v["metric"], v["bound"])) == want
-    assert v["verdict"].to_list() == [gate.PASS] * 3
+    assert v["verdict"].to_list() == [verdicts.PASS] * 3
     for m in want:
         off = cand | {m: beyond(want[m], m == "top1_agree")}
-        v = gate.evaluate(pl.DataFrame([off]), baseline, G)
-        assert dict(zip(v["metric"], v["verdict"])) == {n: gate.FAIL if n == m else gate.PASS for n in want}, m
+        v = verdicts.evaluate(pl.DataFrame([off]), baseline, G, DRIFT)
+        assert dict(zip(v["metric"], v["verdict"])) == {n: verdicts.FAIL if n == m else verdicts.PASS for n in want}, m
 
 
 def test_kernel_and_baseline_checks_both_run_on_a_kernel_row():
@@ -256,7 +267,7 @@ def test_kernel_and_baseline_checks_both_run_on_a_kernel_row():
     order, each against its own bound."""
     ref = gate_row(n_scored=2000, kernel=True, kv_cache="bf16", **BASE)
     baseline = pl.DataFrame([{n: v for n, v in ref.items() if n != "kernel"}])
-    v = gate.evaluate(pl.DataFrame([ref]), baseline, G)
+    v = verdicts.evaluate(pl.DataFrame([ref]), baseline, G, DRIFT)
     assert v["check"].to_list() == ["kernel"] * 3 + ["baseline"] * 3
     assert v["bound"].to_list() == [*BOUNDS["bfloat16"].values(), *BASELINE_BOUND.values()]
 
@@ -271,15 +282,15 @@ def test_a_speculative_mismatch_exactly_at_the_tie_margin_passes(dtype, margin):
 
     def verdict(exact, m):
         r = dict(prompt_set="edit", dtype=dtype, spec_exact=exact, spec_mismatch_margin=m)
-        (v,) = gate.spec_checks(r, G)
+        (v,) = verdicts.spec_checks(r, G)
         assert (v["check"], v["prompt_set"], v["metric"], v["bound"]) == ("spec", "edit", "mismatch margin", margin)
         return v["verdict"], v["candidate"]
 
-    assert verdict(False, margin) == (gate.PASS, margin)
-    assert verdict(False, beyond(margin, False))[0] == gate.FAIL
-    assert verdict(True, None) == (gate.PASS, 0.0)
-    assert verdict(False, None) == (gate.FAIL, math.inf)
-    assert gate.spec_checks(dict(prompt_set="edit", dtype=dtype, spec_exact=None), G) == []
+    assert verdict(False, margin) == (verdicts.PASS, margin)
+    assert verdict(False, beyond(margin, False))[0] == verdicts.FAIL
+    assert verdict(True, None) == (verdicts.PASS, 0.0)
+    assert verdict(False, None) == (verdicts.FAIL, math.inf)
+    assert verdicts.spec_checks(dict(prompt_set="edit", dtype=dtype, spec_exact=None), G) == []
 
 
 # --- the verdict table ---------------------------------------------------------------------------
@@ -306,7 +317,7 @@ def test_a_missing_baseline_row_is_one_failed_check_with_nothing_to_compare():
     one FAIL, metric ``row present``, carrying the prompt set and no numbers, and no stand-in (a stand-in
     is only the reference backend's row of the same configuration)."""
     r = gate_row(prompt_set="explain")
-    assert gate.baseline_checks(r, None, G) == [
+    assert verdicts.baseline_checks(r, None, G) == [
         dict(
             check="baseline",
             prompt_set="explain",
@@ -316,14 +327,17 @@ def test_a_missing_baseline_row_is_one_failed_check_with_nothing_to_compare():
             lo=None,
             hi=None,
             bound=None,
-            verdict=gate.FAIL,
+            verdict=verdicts.FAIL,
         )
     ]
-    assert gate.baseline_row(r, None) == (None, False)
-    assert gate.baseline_row(r, baseline_of(r).clear()) == (None, False)
-    assert gate.baseline_row(r, baseline_of(gate_row(quant="int8_kv"))) == (None, False)
-    assert gate.baseline_row(r | dict(backend="triton"), baseline_of(gate_row(quant="int8_kv"))) == (None, False)
-    own, stand_in = gate.baseline_row(r | dict(backend="triton"), baseline_of(r | dict(kl_mean=0.5)))
+    assert verdicts.baseline_row(r, None, DRIFT) == (None, False)
+    assert verdicts.baseline_row(r, baseline_of(r).clear(), DRIFT) == (None, False)
+    assert verdicts.baseline_row(r, baseline_of(gate_row(quant="int8_kv")), DRIFT) == (None, False)
+    assert verdicts.baseline_row(r | dict(backend="triton"), baseline_of(gate_row(quant="int8_kv")), DRIFT) == (
+        None,
+        False,
+    )
+    own, stand_in = verdicts.baseline_row(r | dict(backend="triton"), baseline_of(r | dict(kl_mean=0.5)), DRIFT)
     assert (own["backend"], own["kl_mean"], stand_in) == ("reference", 0.5, True)
 
 
@@ -337,11 +351,15 @@ def test_the_verdict_table_has_every_check_of_every_row_in_fixed_columns():
         for ps in ("edit", "explain")
     ]
     rows.append(gate_row(prompt_set="spec", spec_exact=False, spec_mismatch_margin=1.0, kernel=False))
-    v = gate.evaluate(pl.DataFrame(rows), None, G)
+    v = verdicts.evaluate(pl.DataFrame(rows), None, G, DRIFT)
     assert v.schema == pl.Schema(COLUMNS)
     assert v["prompt_set"].to_list() == ["edit"] * 4 + ["explain"] * 4 + ["spec"] * 2
     assert v["check"].to_list() == ["kernel"] * 3 + ["baseline"] + ["kernel"] * 3 + ["baseline", "spec", "baseline"]
-    assert v["verdict"].to_list() == [gate.PASS] * 3 + [gate.FAIL] + [gate.PASS] * 3 + [gate.FAIL, gate.PASS, gate.FAIL]
+    assert v["verdict"].to_list() == [verdicts.PASS] * 3 + [verdicts.FAIL] + [verdicts.PASS] * 3 + [
+        verdicts.FAIL,
+        verdicts.PASS,
+        verdicts.FAIL,
+    ]
     assert v["bound"].to_list()[8] == 1.0  # bfloat16's tie margin
-    missing = gate.evaluate(pl.DataFrame(rows[2:]), pl.DataFrame(), G).filter(pl.col("check") == "baseline")
+    missing = verdicts.evaluate(pl.DataFrame(rows[2:]), pl.DataFrame(), G, DRIFT).filter(pl.col("check") == "baseline")
     assert missing.schema == pl.Schema(COLUMNS) and missing["metric"].to_list() == ["row present"]

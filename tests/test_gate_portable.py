@@ -16,10 +16,11 @@ import polars as pl
 import pytest
 from omegaconf import OmegaConf
 
-from evals import base_logits
+from evals import base_logits, verdicts
 from tests.test_gate import row as gate_row
 from tileinfer import gate
-from tileinfer.jobs import tables
+from tileinfer.jobs import rows
+from tileinfer.jobs.identity import DRIFT
 from tileinfer.jobs.schema import BaseSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,7 +113,7 @@ def baseline_of(*rows):
 
 
 def test_a_backend_without_its_own_row_is_held_to_the_reference_row_with_the_kernel_bounds_as_margin():
-    v = gate.evaluate(pl.DataFrame([row(backend="triton", kl_mean=5.0e-3)]), baseline_of(row()), GATE)
+    v = verdicts.evaluate(pl.DataFrame([row(backend="triton", kl_mean=5.0e-3)]), baseline_of(row()), GATE, DRIFT)
     assert v["check"].to_list() == ["baseline-ref"] * 3
     bound = dict(zip(v["metric"], v["bound"]))
     k = GATE["bounds"]["bfloat16-int8kv"]  # kl_mean 3e-3, kl_p999 0.1, top1_agree 0.97
@@ -120,26 +121,28 @@ def test_a_backend_without_its_own_row_is_held_to_the_reference_row_with_the_ker
     assert bound["kl_p999"] == pytest.approx(3.7e-2 * 1.1 + 1e-2 + k["kl_p999"])
     assert bound["top1_agree"] == pytest.approx(0.96875 - 0.01 - (1 - k["top1_agree"]))
     # passes there, where the reference backend's own bound (4.7e-3) would fail it...
-    assert list(v["verdict"]) == [gate.PASS, gate.SKIP, gate.PASS]  # 128 positions: 99.9% KL not checked
+    assert list(v["verdict"]) == [verdicts.PASS, verdicts.SKIP, verdicts.PASS]  # 128 positions: 99.9% KL not checked
     # ...but a drift beyond the margin fails
-    far = gate.evaluate(pl.DataFrame([row(backend="triton", kl_mean=9.0e-3)]), baseline_of(row()), GATE)
-    assert far.filter(pl.col("verdict") == gate.FAIL)["metric"].to_list() == ["kl_mean"]
+    far = verdicts.evaluate(pl.DataFrame([row(backend="triton", kl_mean=9.0e-3)]), baseline_of(row()), GATE, DRIFT)
+    assert far.filter(pl.col("verdict") == verdicts.FAIL)["metric"].to_list() == ["kl_mean"]
 
 
 def test_the_fallback_note_states_the_margin():
-    note = gate.fallback_note(row(backend="triton"), GATE)
+    note = verdicts.fallback_note(row(backend="triton"), GATE)
     assert note.startswith("baseline-ref: no baseline row for backend=triton")
     assert "gate.bounds.bfloat16-int8kv: kl_mean +0.003, kl_p999 +0.1, top1_agree -0.05" in note
 
 
 def test_a_backends_own_row_wins_and_another_base_is_no_stand_in():
-    own = gate.evaluate(pl.DataFrame([row(backend="triton")]), baseline_of(row(), row(backend="triton")), GATE)
-    assert own["check"].to_list() == ["baseline"] * 3
-    other_base = gate.evaluate(
-        pl.DataFrame([row(backend="triton", base="stored:triton/bf16-nosmooth")]), baseline_of(row()), GATE
+    own = verdicts.evaluate(
+        pl.DataFrame([row(backend="triton")]), baseline_of(row(), row(backend="triton")), GATE, DRIFT
     )
-    assert other_base["metric"].to_list() == ["row present"] and other_base["verdict"][0] == gate.FAIL
-    ref = gate.evaluate(pl.DataFrame([row(quant="int8_kv")]), baseline_of(row()), GATE)
+    assert own["check"].to_list() == ["baseline"] * 3
+    other_base = verdicts.evaluate(
+        pl.DataFrame([row(backend="triton", base="stored:triton/bf16-nosmooth")]), baseline_of(row()), GATE, DRIFT
+    )
+    assert other_base["metric"].to_list() == ["row present"] and other_base["verdict"][0] == verdicts.FAIL
+    ref = verdicts.evaluate(pl.DataFrame([row(quant="int8_kv")]), baseline_of(row()), GATE, DRIFT)
     assert ref["metric"].to_list() == ["row present"]
 
 
@@ -165,8 +168,8 @@ def test_stored_base_logits_recorded_by_another_backend_are_read_without_flags(t
         f.rename(f.with_name(f.name.replace("reference-", "triton-", 1)))
     out = run_gate(*TINY, "base.source=stored", f"base.dir={base}", "gate.baseline=null", f"runs_dir={runs}")
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = tables.collect(runs / "rows")
-    assert rows["backend"].to_list() == ["reference"] and rows["base"].to_list() == ["stored:triton/bf16-nosmooth"]
+    table = rows.read(runs / "rows")
+    assert table["backend"].to_list() == ["reference"] and table["base"].to_list() == ["stored:triton/bf16-nosmooth"]
 
 
 def test_a_missing_baseline_row_names_the_command_that_records_it(tmp_path, smollm2_gguf):

@@ -13,13 +13,16 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from evals import speculation, verdicts
+from evals.drift import PassResult, SpecResult
 from tests.tiny_models import make_tiny_with_tokenizer
-from tileinfer import gate
 from tileinfer.core.errors import UserError
 from tileinfer.engine.proposers import check_same_vocab
-from tileinfer.jobs import identity, job, schema, spec
+from tileinfer.jobs import identity, job, plan, schema
+from tileinfer.jobs.worker import Worker
 
 schema.register()
+WORKER = Worker()  # the loaded models, kept for the next job as a sweep's process keeps them
 GATE = OmegaConf.load("conf/gate.yaml").gate
 SMALL = [
     "model=smollm2-135m",
@@ -38,7 +41,8 @@ def load(*overrides):
 
 
 def one_row(tmp_path, *overrides) -> dict:
-    (path,) = job.run(load(*SMALL, f"runs_dir={tmp_path}", *overrides))
+    cfg = load(*SMALL, f"runs_dir={tmp_path}", *overrides)
+    (path,) = job.run(plan.resolve(cfg, WORKER), WORKER).paths
     return pl.read_parquet(path).row(0, named=True)
 
 
@@ -60,7 +64,7 @@ def test_a_speculative_row_has_acceptance_speedup_and_is_exact(tmp_path, smollm2
     if "dtype=float32" in overrides:
         assert r["spec_exact"] is True and r["spec_first_mismatch"] is None
     else:
-        assert r["spec_exact"] or r["spec_mismatch_margin"] <= schema.tie_margin("bfloat16")
+        assert r["spec_exact"] or r["spec_mismatch_margin"] <= verdicts.tie_margin("bfloat16")
     assert r["spec_drafts"] > 0 and 0 < r["spec_accepted_tokens"] <= r["spec_drafted_tokens"]
     assert r["spec_acceptance_rate"] == pytest.approx(r["spec_accepted_tokens"] / r["spec_drafted_tokens"])
     assert r["spec_acceptance_length"] == pytest.approx(1 + r["spec_accepted_tokens"] / r["spec_drafts"])
@@ -77,16 +81,18 @@ def test_a_speculative_row_has_acceptance_speedup_and_is_exact(tmp_path, smollm2
 
 def test_the_gate_fails_a_wide_margin_mismatch_only():
     base = dict(prompt_set="edit", dtype="bfloat16", spec_exact=True, spec_mismatch_margin=None)
-    (ok,) = gate.spec_checks(base, GATE)
-    assert ok["verdict"] == gate.PASS and ok["candidate"] == 0.0
-    tie = gate.spec_checks(base | dict(spec_exact=False, spec_mismatch_margin=schema.tie_margin("bfloat16")), GATE)
-    assert tie[0]["verdict"] == gate.PASS  # on the bound: a near-tie
-    wide = gate.spec_checks(base | dict(spec_exact=False, spec_mismatch_margin=2.5), GATE)
-    assert wide[0]["verdict"] == gate.FAIL
-    f32 = gate.spec_checks(base | dict(dtype="float32", spec_exact=False, spec_mismatch_margin=0.5), GATE)
-    assert f32[0]["verdict"] == gate.FAIL  # float32 rounds a thousand times finer
-    assert gate.spec_checks(dict(prompt_set="edit"), GATE) == []  # rows without speculation
-    assert gate.spec_checks(base | dict(spec_exact=None), GATE) == []  # sampled: no exactness check
+    (ok,) = verdicts.spec_checks(base, GATE)
+    assert ok["verdict"] == verdicts.PASS and ok["candidate"] == 0.0
+    tie = verdicts.spec_checks(
+        base | dict(spec_exact=False, spec_mismatch_margin=verdicts.tie_margin("bfloat16")), GATE
+    )
+    assert tie[0]["verdict"] == verdicts.PASS  # on the bound: a near-tie
+    wide = verdicts.spec_checks(base | dict(spec_exact=False, spec_mismatch_margin=2.5), GATE)
+    assert wide[0]["verdict"] == verdicts.FAIL
+    f32 = verdicts.spec_checks(base | dict(dtype="float32", spec_exact=False, spec_mismatch_margin=0.5), GATE)
+    assert f32[0]["verdict"] == verdicts.FAIL  # float32 rounds a thousand times finer
+    assert verdicts.spec_checks(dict(prompt_set="edit"), GATE) == []  # rows without speculation
+    assert verdicts.spec_checks(base | dict(spec_exact=None), GATE) == []  # sampled: no exactness check
 
 
 def test_a_speculative_row_is_checked_against_the_plain_baseline_row(tmp_path):
@@ -95,10 +101,10 @@ def test_a_speculative_row_is_checked_against_the_plain_baseline_row(tmp_path):
     plain = one_row(tmp_path)
     spec_row = plain | dict(spec="ngram", spec_k=7, spec_settings="min_n=5,max_n=5", spec_exact=False)
     spec_row |= dict(spec_mismatch_margin=2.5)
-    base, stand_in = gate.baseline_row(spec_row, pl.DataFrame([plain]))
+    base, stand_in = verdicts.baseline_row(spec_row, pl.DataFrame([plain]), identity.DRIFT)
     assert base is not None and base["spec"] == "none" and not stand_in
-    verdicts = gate.evaluate(pl.DataFrame([spec_row | {"kernel": False}]), None, GATE)
-    assert verdicts.filter(pl.col("check") == "spec")["verdict"].to_list() == [gate.FAIL]
+    checks = verdicts.evaluate(pl.DataFrame([spec_row | {"kernel": False}]), None, GATE, identity.DRIFT)
+    assert checks.filter(pl.col("check") == "spec")["verdict"].to_list() == [verdicts.FAIL]
 
 
 def test_a_negative_tie_margin_is_refused():
@@ -131,15 +137,15 @@ def test_the_widest_mismatch_of_any_prompt_reaches_the_row():
         drafted_at=[1], accepted_at=[1], histogram=[0, 1], draft_s=0.0, verify_s=0.0,
     )  # fmt: skip
     passes = [one(0.01, 5) | {"stats": stats}, one(25.0, 2) | {"stats": stats}]
-    cols = spec.columns(passes)
+    cols = speculation.columns(passes)
     assert cols["spec_mismatch_margin"] == 25.0 and cols["spec_first_mismatch"] == 2
-    (check,) = gate.spec_checks(dict(prompt_set="p", dtype="bfloat16", **cols), GATE)
-    assert check["verdict"] == gate.FAIL
+    (check,) = verdicts.spec_checks(dict(prompt_set="p", dtype="bfloat16", **cols), GATE)
+    assert check["verdict"] == verdicts.FAIL
 
 
 def test_every_spec_setting_is_in_the_row_identity():
     def cols(*overrides):
-        return spec.identity_columns(load(*overrides).spec, "abc")
+        return load(*overrides).spec.identity("abc")
 
     assert set(cols()) <= set(identity.CONFIG)
     assert cols() == dict(spec="none", spec_k=None, spec_settings=None, spec_temperature=None, spec_seed=None)
@@ -156,18 +162,20 @@ def test_pass_columns_find_the_first_mismatch_and_its_margin():
         k=2, drafts=1, drafted_tokens=2, accepted_tokens=1, target_forwards=3, new_tokens=4,
         drafted_at=[1, 1], accepted_at=[1, 0], histogram=[0, 1, 0], draft_s=0.001, verify_s=0.002,
     )  # fmt: skip
-    t = SimpleNamespace(
-        spec=SimpleNamespace(reply=SimpleNamespace(tokens=[5, 6, 9, 8], stats=stats), seconds=0.5),
+    t = PassResult(
+        per_position={},
+        prefill_s=0.1,
+        decode_rep_s=[1.0],
+        decode_steps=4,
         decoded=[5, 6, 7, 8],
         margins=[3.0, 2.0, 0.04, 1.0],
-        decode_s=1.0,
-        decode_steps=4,
+        spec=SpecResult(SimpleNamespace(tokens=[5, 6, 9, 8], stats=stats), 0.5),
     )
-    cols = spec.columns([spec.pass_columns(t, greedy=True)])
+    cols = speculation.columns([speculation.pass_columns(t, greedy=True)])
     assert cols["spec_exact"] is False and cols["spec_first_mismatch"] == 2
     assert cols["spec_mismatch_margin"] == 0.04 and cols["spec_speedup"] == 2.0
     assert cols["spec_acceptance_at"] == [1.0, 0.0] and cols["spec_tokens_per_forward"] == pytest.approx(4 / 3)
-    assert spec.columns(None) == dict.fromkeys(spec.COLUMNS)
+    assert speculation.columns(None) == dict.fromkeys(speculation.COLUMNS)
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ NORMS = "tileinfer/ops/triton/norms.py"
 SMOOTH = "quantize/smoothing.py"
 METRICS = "evals/metrics.py"
 RUNNER = "tileinfer/engine/runner.py"
-GATE = "tileinfer/gate.py"
+GATE = "evals/verdicts.py"
 
 T_GGUF = ("tests/test_gguf_permute.py",)
 T_LOGITS = ("tests/test_model_vs_transformers.py",)
@@ -559,7 +559,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "gate-spec-tie-margin-narrowest",
-        "tileinfer/jobs/schema.py",
+        GATE,
         "margins.get(dtype, max(margins.values()))",
         "margins.get(dtype, min(margins.values()))",
         T_GATE,
