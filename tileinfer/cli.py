@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.hydra import Hydra
 from hydra._internal.utils import _run_hydra, create_automatic_config_search_path, get_args_parser
@@ -40,7 +39,6 @@ from tileinfer.core import files, gpu_slots
 from tileinfer.core.errors import UserError
 from tileinfer.jobs import schema
 from tileinfer.jobs.schema import Config
-from tileinfer.jobs.worker import Worker
 
 USAGE_ERROR = 2
 CONFIG_PATH = "pkg://tileinfer.conf"
@@ -64,7 +62,8 @@ def error_line(e: BaseException) -> str | None:
     OS error on a named file (a folder that cannot be written, a full disk)."""
     if isinstance(e, UserError):
         return str(e)
-    if isinstance(e, torch.cuda.OutOfMemoryError):
+    torch = sys.modules.get("torch")  # no GPU memory ran out unless torch was loaded
+    if torch is not None and isinstance(e, torch.cuda.OutOfMemoryError):
         return f"out of GPU memory ({str(e).splitlines()[0]}); try a smaller model or ctx"
     if isinstance(e, OSError) and e.filename is not None:
         return f"{e.filename}: {e.strerror}"
@@ -249,13 +248,14 @@ class JobContext:
     cpu_workers: int | None
 
 
-Job = Callable[[Config, Worker, JobContext], tuple[Any, int]]
+Job = Callable[[Config, Any, JobContext], tuple[Any, int]]  # (config, tileinfer.jobs.worker.Worker, context)
 
 
 def keep_worker_alive() -> None:
     """Lift the leak guard of joblib's loky workers in this process (a no-op elsewhere): a loky worker
-    restarts itself once its memory grew 300 MB past its size after its first task, which a worker
-    keeping models for its next jobs does on purpose (benchmarks/results/h200-2026-12-01-scaling.md)."""
+    restarts itself once its memory grew 300 MB past its size after its first task, which the caches of
+    a worker that loaded a model do, and a restart costs a new process's imports and kernel loads
+    (benchmarks/results/h200-2026-12-01-scaling.md)."""
     loky = sys.modules.get("joblib.externals.loky.process_executor")
     if loky is not None:
         loky._MAX_MEMORY_LEAK_SIZE = sys.maxsize
@@ -269,6 +269,8 @@ class Task:
 
     def __init__(self, prog: str, job: Job, inv: Invocation):
         self.prog, self.job, self.labels, self.cpu_workers = prog, job, inv.labels, inv.cpu_workers
+        from tileinfer.jobs.worker import Worker  # the engine's imports only where a job runs
+
         self.worker = Worker()
         self.started: float | None = None
 
