@@ -48,6 +48,59 @@ IDENTITY = CONFIG + SCORING + TIMING + MACHINE
 # so a speculative row is checked against the plain row of its configuration.
 DRIFT = tuple(c for c in CONFIG if not c.startswith("spec")) + SCORING
 
+# Every setting of the schema (tileinfer.jobs.schema, and each evaluation's settings as ``eval.*``) and
+# the identity column that records it, or (a sentence) why it changes no number of a row.
+# tests/test_identity_fields.py fails for a setting of neither kind and changes each recorded one.
+SAME_NUMBERS = "changes no number of a row: "
+SETTINGS = MappingProxyType(
+    {
+        "model.name": "model",
+        "model.source": "model_sha256",
+        "model.config": SAME_NUMBERS + "the shapes a checkpoint is checked against",
+        "model.path": "model",
+        "quant.name": "quant",
+        "quant.weights": "weights",
+        "quant.kv_cache": "kv_cache",
+        "quant.smooth_keys": "smooth_keys",
+        "quant.smooth_alpha": "smooth_alpha",
+        "quant.calibration": "calibration_sha256",
+        "quant.calibration_tokens": "calibration_tokens",
+        "ctx.tokens": "ctx_tokens",
+        "ctx.name": SAME_NUMBERS + "derived from ctx.tokens",
+        "backend.name": "backend",
+        "spec.name": "spec",
+        "spec.k": "spec_k",
+        **dict.fromkeys(
+            ("spec.min_n", "spec.max_n", "spec.draft_model", "spec.draft_quant", "spec.dflash"), "spec_settings"
+        ),
+        "spec.temperature": "spec_temperature",
+        "spec.seed": "spec_seed",
+        "eval.name": "prompts_sha256",
+        "eval.prompt_sets": "prompt_set",
+        "eval.n_score": "n_score",
+        "eval.add_bos": "add_bos",
+        "eval.corpora": "corpus",
+        "eval.n_windows": "n_windows",
+        "eval.text_column": "prompts_sha256",
+        "runs_dir": SAME_NUMBERS + "where the rows go",
+        "snapshot_s": SAME_NUMBERS + "a resumed pass computes the same numbers",
+        "device": "device",
+        "dtype": "dtype",
+        "kv.page_size": "page_size",
+        "kv.prefill_chunk": "prefill_chunk",
+        "base.source": "base",
+        "base.backend": "base",
+        "base.quant": "base",
+        "base.dir": SAME_NUMBERS + "where stored base logits are read (checked against the model and prompt)",
+        "base.top_k": "top_k",
+        "speed.decode_tokens": "decode_tokens",
+        "speed.repeats": "decode_repeats",
+        "speed.warmup": "warmup",
+        "speed.cuda_graph": "decode_cuda_graph",
+        "gate": SAME_NUMBERS + "the gate's checks of the rows",
+    }
+)
+
 # Columns renamed since rows were first written: old name -> new name (old rows still load).
 RENAMED = MappingProxyType({"reference": "base", "ppl_ref": "ppl_base", "p_ref_mean": "p_base_mean"})
 # Identity columns added since: the value that means what rows written before them did (add_bos:
