@@ -53,52 +53,23 @@ DRIFT = tuple(c for c in CONFIG if not c.startswith("spec")) + SCORING
 # tests/test_identity_fields.py fails for a setting of neither kind and changes each recorded one.
 SAME_NUMBERS = "changes no number of a row: "
 SETTINGS = MappingProxyType(
-    {
-        "model.name": "model",
-        "model.source": "model_sha256",
-        "model.config": SAME_NUMBERS + "the shapes a checkpoint is checked against",
-        "model.path": "model",
-        "quant.name": "quant",
-        "quant.weights": "weights",
-        "quant.kv_cache": "kv_cache",
-        "quant.smooth_keys": "smooth_keys",
-        "quant.smooth_alpha": "smooth_alpha",
-        "quant.calibration": "calibration_sha256",
-        "quant.calibration_tokens": "calibration_tokens",
-        "ctx.tokens": "ctx_tokens",
-        "ctx.name": SAME_NUMBERS + "derived from ctx.tokens",
-        "backend.name": "backend",
-        "spec.name": "spec",
-        "spec.k": "spec_k",
-        **dict.fromkeys(
-            ("spec.min_n", "spec.max_n", "spec.draft_model", "spec.draft_quant", "spec.dflash"), "spec_settings"
-        ),
-        "spec.temperature": "spec_temperature",
-        "spec.seed": "spec_seed",
-        "eval.name": "prompts_sha256",
-        "eval.prompt_sets": "prompt_set",
-        "eval.n_score": "n_score",
-        "eval.add_bos": "add_bos",
-        "eval.corpora": "corpus",
-        "eval.n_windows": "n_windows",
-        "eval.text_column": "prompts_sha256",
-        "runs_dir": SAME_NUMBERS + "where the rows go",
-        "snapshot_s": SAME_NUMBERS + "a resumed pass computes the same numbers",
-        "device": "device",
-        "dtype": "dtype",
-        "kv.page_size": "page_size",
-        "kv.prefill_chunk": "prefill_chunk",
-        "base.source": "base",
-        "base.backend": "base",
-        "base.quant": "base",
-        "base.dir": SAME_NUMBERS + "where stored base logits are read (checked against the model and prompt)",
-        "base.top_k": "top_k",
-        "speed.decode_tokens": "decode_tokens",
-        "speed.repeats": "decode_repeats",
-        "speed.warmup": "warmup",
-        "speed.cuda_graph": "decode_cuda_graph",
-        "gate": SAME_NUMBERS + "the gate's checks of the rows",
-    }
+    {f"model.{k}": v for k, v in (("name", "model"), ("source", "model_sha256"), ("path", "model"))}
+    | {"model.config": SAME_NUMBERS + "the shapes a checkpoint is checked against"}
+    | {f"quant.{k}": k for k in ("weights", "kv_cache", "smooth_keys", "smooth_alpha", "calibration_tokens")}
+    | {"quant.name": "quant", "quant.calibration": "calibration_sha256"}
+    | {"ctx.tokens": "ctx_tokens", "ctx.name": SAME_NUMBERS + "derived from ctx.tokens", "backend.name": "backend"}
+    | {f"spec.{k}": "spec_settings" for k in ("min_n", "max_n", "draft_model", "draft_quant", "dflash")}
+    | {"spec.name": "spec", "spec.k": "spec_k", "spec.temperature": "spec_temperature", "spec.seed": "spec_seed"}
+    | {f"eval.{k}": k for k in ("n_score", "add_bos", "n_windows")}
+    | {"eval.name": "prompts_sha256", "eval.text_column": "prompts_sha256", "eval.prompt_sets": "prompt_set"}
+    | {"eval.corpora": "corpus", "device": "device", "dtype": "dtype", "base.top_k": "top_k"}
+    | {f"kv.{k}": k for k in ("page_size", "prefill_chunk")}
+    | {f"base.{k}": "base" for k in ("source", "backend", "quant")}
+    | {"speed.decode_tokens": "decode_tokens", "speed.repeats": "decode_repeats", "speed.warmup": "warmup"}
+    | {"speed.cuda_graph": "decode_cuda_graph"}
+    | {"runs_dir": SAME_NUMBERS + "where the rows go", "snapshot_s": SAME_NUMBERS + "a resumed pass is the same"}
+    | {"base.dir": SAME_NUMBERS + "where stored base logits are read (checked against the model and prompt)"}
+    | {"gate": SAME_NUMBERS + "the gate's checks of the rows"}
 )
 
 # Columns renamed since rows were first written: old name -> new name (old rows still load).
