@@ -218,7 +218,7 @@ def attention_cases(name: str, phase: str, T: int, contexts) -> list[Case]:
 
 
 def small_cases(name: str, phase: str, T: int) -> list[Case]:
-    """Embedding, the norms and the q/k norm + RoPE + KV write; argmax and sampling at decode."""
+    """Embedding, the norms and the q/k norm + RoPE + KV write; the argmax at decode."""
     m = model_config(name)
     bf = torch.bfloat16
     H, d, V = m.hidden_size, m.head_dim, m.vocab_size
@@ -316,33 +316,6 @@ def small_cases(name: str, phase: str, T: int) -> list[Case]:
                 mk,
                 lambda ops, a: ops.argmax(a["x"]),
                 lambda a: a["x"].argmax(-1),
-                nbytes=4 * T * V,
-            )
-        )
-        out.append(
-            Case(
-                name,
-                phase,
-                "sample",
-                f"T={T} V={V} t=0.7 k=20 p=0.95",
-                "f32",
-                mk,
-                lambda ops, a: ops.sample(a["x"], 0.7, 20, 0.95, None),
-                lambda a: reference.sample(a["x"], 0.7, 20, 0.95, None),
-                nbytes=4 * T * V,
-            )
-        )
-        # top-p alone on flat random logits: a nucleus of thousands of tokens (the slow exact path)
-        out.append(
-            Case(
-                name,
-                phase,
-                "sample",
-                f"T={T} V={V} t=1 k=0 p=0.9 flat",
-                "f32",
-                mk,
-                lambda ops, a: ops.sample(a["x"], 1.0, 0, 0.9, None),
-                lambda a: reference.sample(a["x"], 1.0, 0, 0.9, None),
                 nbytes=4 * T * V,
             )
         )

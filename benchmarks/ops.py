@@ -376,8 +376,8 @@ SWEEP_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 def output_error(out, want) -> str:
     """Why a sweep config's output is not the reference's, or "" when it is: non-finite elements,
-    or a relative error past :data:`SWEEP_TOL`. Outputs that are not floating tensors (sampled
-    tokens) are not checked. Seen: Triton swap-AB tiles of 256 tokens that left NaN or 3-7% errors
+    or a relative error past :data:`SWEEP_TOL`. Outputs that are not floating tensors (token
+    ids) are not checked. Seen: Triton swap-AB tiles of 256 tokens that left NaN or 3-7% errors
     while timing well (results/h200-2026-12-01-int8-prefill-gemm.md)."""
     if not (isinstance(out, torch.Tensor) and out.is_floating_point() and isinstance(want, torch.Tensor)):
         return ""

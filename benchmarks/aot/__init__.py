@@ -4,7 +4,7 @@
                                   [--sass] [--filter NAME]
 
 One enumeration serves both backends: :func:`model_calls` runs the real model code (one layer of
-:class:`~tileinfer.models.Transformer`, then the lm_head, argmax and sample) on ``meta`` tensors
+:class:`~tileinfer.models.Transformer`, then the lm_head and argmax) on ``meta`` tensors
 (shapes and dtypes, no storage) for each model of the registry (``conf/model``, shapes from
 :func:`tileinfer.core.registry.model_config`), each step of :data:`STEPS`, BF16 or INT8 weights, a
 BF16 or INT8 KV cache, a short and a long cache (:data:`CONTEXTS`). A backend module turns the
@@ -103,10 +103,9 @@ def meta_model(c: ModelConfig, int8_weights: bool) -> Transformer:
     return Transformer(c, embed, layers, v(hid), lm_head, max(CONTEXTS))
 
 
-def _step(model: Transformer, context: int, rows: int, every_row: bool, int8_kv: bool, sampling: bool, ops) -> None:
+def _step(model: Transformer, context: int, rows: int, every_row: bool, int8_kv: bool, greedy: bool, ops) -> None:
     """One forward step of ``rows`` tokens through a cache of ``context`` positions (the logits of
-    every row or of the last); then argmax and both sampling paths (top-k + top-p, and top-p alone)
-    on the logits when ``sampling``."""
+    every row or of the last); then the argmax of the logits when ``greedy``."""
     c = model.config
     pages = context // PAGE_SIZE
     kv = PagedKVCache(
@@ -116,17 +115,15 @@ def _step(model: Transformer, context: int, rows: int, every_row: bool, int8_kv:
     tokens = torch.empty(rows, dtype=torch.int64, device="meta")
     positions = torch.empty(rows, dtype=torch.int32, device="meta")
     logits = model.forward(ops, tokens, positions, kv, block_table, None if every_row else slice(-1, None))
-    if sampling:
+    if greedy:
         ops.argmax(logits)
-        ops.sample(logits, 0.7, 20, 0.95, None)
-        ops.sample(logits, 1.0, 0, 0.9, None)
 
 
 def model_calls(names: Sequence[str], steps=STEPS) -> list[Call]:
-    """The launches of one layer of each model in ``names`` (registry names), plus lm_head, argmax
-    and sample: every step of ``steps`` with BF16 and INT8 weights, BF16 and INT8 KV caches, each
-    cache length of :data:`CONTEXTS`. Argmax and sample run once per (model, step) of at most 16 rows
-    (their logits are float32 whatever the weights and the cache)."""
+    """The launches of one layer of each model in ``names`` (registry names), plus lm_head and argmax:
+    every step of ``steps`` with BF16 and INT8 weights, BF16 and INT8 KV caches, each cache length of
+    :data:`CONTEXTS`. The argmax runs once per (model, step) of at most 16 rows (its logits are
+    float32 whatever the weights and the cache)."""
     calls = []
     for name in names:
         c = model_config(name, num_hidden_layers=1)
@@ -135,14 +132,14 @@ def model_calls(names: Sequence[str], steps=STEPS) -> list[Call]:
             for int8_kv in (False, True):
                 for context in CONTEXTS:
                     for rows, every_row in steps:
-                        sampling = rows <= 16 and not int8_w and not int8_kv and context == CONTEXTS[0]
+                        greedy = rows <= 16 and not int8_w and not int8_kv and context == CONTEXTS[0]
                         label = (
                             f"{name} {rows} rows ({'every' if every_row else 'last'} row scored), "
                             f"{'int8' if int8_w else 'bf16'} weights, {'int8' if int8_kv else 'bf16'} "
                             f"KV of {context} positions"
                         )
                         calls.append(
-                            Call(label, functools.partial(_step, model, context, rows, every_row, int8_kv, sampling))
+                            Call(label, functools.partial(_step, model, context, rows, every_row, int8_kv, greedy))
                         )
     return calls
 

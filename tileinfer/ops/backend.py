@@ -27,7 +27,6 @@ OPS = (
     "qk_norm_rope_kv_write",
     "attention",
     "argmax",
-    "sample",
 )
 
 _log = logging.getLogger("tileinfer.ops")

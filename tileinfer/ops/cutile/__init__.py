@@ -4,7 +4,7 @@ The signatures and numerics are those of :mod:`tileinfer.ops.reference` (the gro
 module per kernel family: ``norms`` (embedding, RMSNorm, add + RMSNorm), ``rope_kv`` (q/k norm +
 RoPE + paged K/V write), ``gemm`` (GEMV / skinny GEMM / GEMM, BF16 and INT8, fused SwiGLU,
 float32 logits), ``paged_attention`` (paged prefill and split-KV decode flash-attention),
-``sampling`` (argmax, top-k/top-p sampling). The module names differ from the op names on
+``sampling`` (the greedy argmax). The module names differ from the op names on
 purpose: ``from tileinfer.ops.cutile import linear`` must give the op, not a module. Per-kernel
 notes and measurements: benchmarks/cutile-NOTES.md at the top of the checkout.
 
@@ -24,7 +24,7 @@ from tileinfer.ops.cutile.gemm import linear, lm_head, swiglu
 from tileinfer.ops.cutile.norms import add_rms_norm, embedding, rms_norm
 from tileinfer.ops.cutile.paged_attention import attention
 from tileinfer.ops.cutile.rope_kv import qk_norm_rope_kv_write
-from tileinfer.ops.cutile.sampling import argmax, sample
+from tileinfer.ops.cutile.sampling import argmax
 
 # Every launch path is capturable in a CUDA graph (no allocation outside the graph pool, host sync
 # or data-dependent host branching in a step): the runner replays decode steps from one graph.
@@ -40,5 +40,4 @@ __all__ = [
     "qk_norm_rope_kv_write",
     "attention",
     "argmax",
-    "sample",
 ]

@@ -8,15 +8,13 @@ compare against). One module per kernel family:
 * :mod:`.gemm` - GEMV (1-16 rows) and GEMM (prefill), BF16 and INT8 weights, SwiGLU and
   float32-logit epilogues;
 * :mod:`.paged_attention` - paged flash-attention: causal prefill, split-KV decode + combine;
-* :mod:`.sampling` - argmax and temperature/top-k/top-p sampling on the device;
+* :mod:`.sampling` - the greedy argmax on the device (sampled decoding uses the reference sampler);
 * ahead-of-time compile for sm_90 without a GPU (the CI check): ``python -m benchmarks.aot --backend triton``.
 
 CUDA graphs: no op reads a device value on the host or branches on one; grid sizes depend only on
 shapes (token count, heads, the block table's length). The ops allocate their outputs and, where a
 second kernel merges partial results (split-KV decode, argmax), a small workspace with
 ``torch.empty`` - which the caching allocator serves from the graph's private pool during capture.
-``sample`` draws its uniforms with ``torch.rand`` on the logits' device (a CPU generator would need
-a host-to-device copy and is not capturable).
 
 Set ``TRITON_INTERPRET=1`` before importing this package to run the kernels on the CPU.
 """
@@ -25,7 +23,7 @@ from tileinfer.ops.triton.gemm import linear, lm_head, swiglu
 from tileinfer.ops.triton.norms import add_rms_norm, embedding, rms_norm
 from tileinfer.ops.triton.paged_attention import attention
 from tileinfer.ops.triton.rope_kv import qk_norm_rope_kv_write
-from tileinfer.ops.triton.sampling import argmax, sample
+from tileinfer.ops.triton.sampling import argmax
 
 # Every launch path is capturable in a CUDA graph (no allocation outside the graph pool, host sync
 # or data-dependent host branching in a step): the runner replays decode steps from one graph.
@@ -41,5 +39,4 @@ __all__ = [
     "qk_norm_rope_kv_write",
     "attention",
     "argmax",
-    "sample",
 ]
