@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from tests.numerics import ATTN_SHAPES, DTYPES, TOL, close, filled_cache, poisoned_cache
 from tileinfer.core.kv_cache import PagedKVCache
+from tileinfer.ops import DEFAULT_SMS
 from tileinfer.ops import reference as R
 
 CACHES = ("bf16cache", "int8cache")
@@ -127,19 +128,24 @@ def test_attention_reads_every_position(target, cache, L, T, page):
 @pytest.mark.cases(
     "cache,L,programs", small=[("bf16cache", 700, 6), ("int8cache", 1000, 10)], targets=("triton-interpret",)
 )
-def test_decode_splits_of_unequal_length(target, monkeypatch, cache, L, programs):
+def test_decode_splits_of_unequal_length(target, cache, L, programs):
     """Triton's split-KV decode with fewer splits than key blocks (as past ~4k positions with the
-    shipped program count): 11 or 16 blocks of 64 keys over 3 or 5 splits, so splits hold several
-    blocks and the last one fewer. Catches a per-split block count rounded down (the last blocks
-    dropped) or a combine that merges only some splits; the small cases have one block per split."""
-    from tileinfer.ops.triton import paged_attention
+    shipped program count), its plan given ``programs`` programs: 11 or 16 blocks of 64 keys over 3
+    or 5 splits, so splits hold several blocks and the last one fewer. Catches a per-split block
+    count rounded down (the last blocks dropped) or a combine that merges only some splits; the
+    small cases have one block per split."""
+    from tileinfer.ops.triton import plan as P
 
-    monkeypatch.setitem(paged_attention._OVERRIDE, "programs", programs)
     dt, dev = torch.bfloat16, target.device
     _, layer, bt = filled_cache(L, 16, 2, 64, dt, cache == "int8cache", dev)
+    positions = bt.shape[0] * 16
+    plan = P.plan_decode_attention(3, 4, 2, positions, 64, int8=layer.int8, sms=DEFAULT_SMS)
+    plan = plan._replace(splits=P.num_splits(positions, 2, plan.tile.block_n, programs))
+    assert plan.splits < -(-positions // plan.tile.block_n)
     q = torch.randn(3, 8, 64, device=dev).to(dt)
     pos = torch.arange(L - 3, L, dtype=torch.int32, device=dev)
-    close(target.ops.attention(q, layer, bt, pos, 0.125), R.attention(q, layer, bt, pos, 0.125), TOL[dt])
+    got = target.ops.attention(q, layer, bt, pos, 0.125, plan=plan)
+    close(got, R.attention(q, layer, bt, pos, 0.125), TOL[dt])
 
 
 @pytest.mark.cases(
