@@ -6,7 +6,8 @@ Model (GPU): bf16 at every registered model's projections (qkv with its bias whe
 one, o, gate_up through swiglu, down) and vocabulary, 1 to 512 rows. Tolerances (relative in norm):
 linear ``TOL``, swiglu 2 x ``TOL`` in the interpreter and 1e-2 on the GPU, float32 logits 2e-6 in the
 interpreter (measured 2.3e-7) and 1e-4 on the GPU (bf16 activations, float32 accumulation in another order).
-Kernel variants of one backend (Triton's GEMM kinds, cuTile's split-K) are forced at the end.
+Kernel variants of one backend (Triton's GEMM kinds, cuTile's split-K) are passed as tiles or tunings
+at the end.
 """
 
 from __future__ import annotations
@@ -289,15 +290,14 @@ def test_triton_variants(target, variant):
 
 
 @pytest.mark.cases(targets=("cutile",), model=[()])
-def test_cutile_split_k_matches_single_pass(target, monkeypatch):
-    """A narrow skinny product (Qwen3-4B's down projection at 3 rows) split over K and in one pass."""
-    from tileinfer.ops.cutile import gemm
-
+def test_cutile_split_k_matches_single_pass(target):
+    """A narrow skinny product (Qwen3-4B's down projection at 3 rows) split over K (as planned) and in
+    one pass (a tuning without split-K)."""
     x = torch.randn(3, 9728, device="cuda").to(torch.bfloat16)
     w = (torch.randn(2560, 9728, device="cuda") * 0.05).to(torch.bfloat16)
     close(target.ops.linear(x, w), R.linear(x, w), 1e-2, "split-K")
-    monkeypatch.setattr(gemm, "SPLIT_K", False)
-    close(target.ops.linear(x, w), R.linear(x, w), 1e-2, "single pass")
+    one_pass = replace(target.ops.tuning, split_k=False)
+    close(target.ops.linear(x, w, tuning=one_pass), R.linear(x, w), 1e-2, "single pass")
 
 
 @pytest.mark.cases("seed", targets=("triton-interpret",), small=[(seed,) for seed in range(3)])

@@ -1,4 +1,4 @@
-"""The launch plans of the fast backends (tileinfer/ops/*/plan.py), without a GPU: at every shipped
+"""The launch plans of both fast backends (tileinfer/ops/*/plan.py), without a GPU: at every shipped
 model's shapes (tileinfer.core.registry.model_config) and on 132, 114 and 108 SMs (H200/H100 SXM,
 H100 PCIe, A100), each plan keeps the promises its rule makes: grids of whole waves or at most one
 program per SM where it says so, split counts within their bounds, tiles that cover the output,
@@ -126,3 +126,71 @@ def test_triton_attention_plans(model, sms):
         for rows in (17, 512, 1024, 8192):
             p = T.plan_prefill_attention(rows, group, int8=int8)
             assert (p.programs - 1) * p.tile.block_m < rows * group <= p.programs * p.tile.block_m
+
+
+# ---------------------------------------------------------------------------- cuTile
+
+
+@pytest.mark.parametrize("sms", SMS)
+@pytest.mark.parametrize("model,proj,n_rows,n_out,k,swiglu,logits", SHAPES)
+def test_cutile_skinny_plan(model, proj, n_rows, n_out, k, swiglu, logits, sms):
+    """1 to 16 rows: one bf16 row with an INT8 weight in int32 words takes the unit-float GEMV; the
+    tensor-core product splits K only while its grid is under split_k_busy_percent of the SMs, by
+    the smallest power of two that reaches it (at most MAX_SPLIT, each slice >= MIN_K_TILES K
+    tiles); the FMA GEMV only where that product would not split and K >= fma_min_k."""
+    pytest.importorskip("cuda.tile")
+    from tileinfer.ops.cutile import plan as C
+    from tileinfer.ops.cutile.tuning import TUNING as CT
+
+    busy = cdiv(sms * CT.split_k_busy_percent, 100)
+    for rows in (1, 2, 5, 16):
+        for int8 in (False, True):
+            half = rows == 1 and not logits
+            kw = dict(int8=int8, swiglu=swiglu, half_row=half, words=int8, w_like_x=not int8, sms=sms)
+            p = C.plan_skinny(rows, n_out, n_rows, k, w_bytes=1 if int8 else 2, **kw)
+            mma = C.mma_plan(n_out, n_rows, k, 1 if int8 else 2, swiglu, sms)
+            assert mma.tk == (256 if int8 else 128) and mma.tn == C.SKINNY_TN
+            blocks = cdiv(n_out if swiglu else n_rows, C.SKINNY_TN)
+            s, nk = mma.splits, cdiv(k, mma.tk)
+            assert s & (s - 1) == 0 and 1 <= s <= C.MAX_SPLIT
+            if blocks >= busy:
+                assert s == 1
+            elif s > 1:
+                assert s * C.MIN_K_TILES <= nk
+                assert cdiv(n_rows, C.SKINNY_TN) * (s // 2) < busy or s == 2
+                assert cdiv(n_rows, C.SKINNY_TN) * s >= busy or s == C.MAX_SPLIT or 2 * s * C.MIN_K_TILES > nk
+            if int8 and half:
+                assert p == C.SkinnyPlan("unit", CT.unit_tn, CT.unit_tkw, 1)
+            elif half and k >= CT.fma_min_k and s == 1:
+                assert p.kernel == "fma" and p.splits == 1
+            else:
+                assert p == mma
+
+
+@pytest.mark.parametrize("sms", SMS)
+@pytest.mark.parametrize("model", MODELS)
+def test_cutile_attention_and_gemm_plans(model, sms):
+    """Split-KV decode: the most power-of-two splits whose (KV head, split) blocks fit one wave of
+    one block per SM, capped by the pages and MAX_SPLITS; tiles of >= 16 rows; the word kernel for
+    one bf16 row at head_dim 128 of an INT8 cache only. Prefill GEMM: INT8 widened from
+    int8_widen_rows rows; prefill attention: the tuning's rows."""
+    pytest.importorskip("cuda.tile")
+    from tileinfer.ops.cutile import plan as C
+
+    c = MODELS[model]
+    kvh, group, d = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads, c.head_dim
+    for pages in (1, 5, 16, 64, 512, c.max_position_embeddings // 64):
+        for rows in (1, 3, 16):
+            for int8 in (False, True):
+                p = C.plan_decode_attention(rows, group, kvh, pages, d, int8=int8, bf16=True, sms=sms)
+                s = p.splits
+                assert s & (s - 1) == 0 and 1 <= s <= min(C.MAX_SPLITS, 1 << (pages - 1).bit_length())
+                assert kvh * s <= sms or s == 1
+                assert kvh * 2 * s > sms or s in (C.MAX_SPLITS, 1 << (pages - 1).bit_length())
+                assert p.tp * p.gp >= 16 and p.tp >= rows and p.gp >= group
+                assert p.int8_words == (int8 and rows == 1 and d == 128 and p.tp * p.gp <= 16)
+    for rows in (17, 64, 65, 511, 512, 1024):
+        for int8 in (False, True):
+            g = C.plan_gemm(rows, int8=int8, swiglu=False)
+            assert g.widen == (int8 and rows >= 512) and g.tm == (128 if rows > 64 else 64)
+    assert C.plan_prefill_attention().rows == 128

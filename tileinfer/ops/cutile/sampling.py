@@ -12,7 +12,8 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from tileinfer.ops.cutile._common import ConstInt, cdiv, launch, next_pow2, pdl_prologue, workspace
+from tileinfer.ops import Workspace
+from tileinfer.ops.cutile._common import ConstInt, cdiv, launch, next_pow2, pdl_prologue, scratch
 
 CHUNK = 4096  # logits per block of the first kernel
 
@@ -38,15 +39,16 @@ def argmax_final_kernel(vals, idxs, out, CP: ConstInt):
     ct.store(out, (t,), ct.astype(sel, ct.int64))
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy token per row: logits float32 [T, vocab] -> int64 [T] (lowest id on ties)."""
+def argmax(logits: torch.Tensor, *, workspace: Workspace | None = None) -> torch.Tensor:
+    """Greedy token per row: logits float32 [T, vocab] -> int64 [T] (lowest id on ties). ``workspace``
+    holds the per-chunk partials between calls (None: new ones)."""
     T, V = logits.shape
     out = torch.empty(T, dtype=torch.int64, device=logits.device)
     if T == 0:
         return out
     nc = cdiv(V, CHUNK)
-    vals = workspace("argmax_v", (T, nc), torch.float32, logits.device)
-    idxs = workspace("argmax_i", (T, nc), torch.int32, logits.device)
+    vals = scratch(workspace, "argmax_v", (T, nc), torch.float32, logits.device)
+    idxs = scratch(workspace, "argmax_i", (T, nc), torch.int32, logits.device)
     launch(argmax_partial_kernel, (T, nc, 1), (logits, vals, idxs, CHUNK))
     launch(argmax_final_kernel, (T, 1, 1), (vals, idxs, out, next_pow2(nc)))
     return out
