@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of the kernels the models launch, for a GPU that need not be present.
 
     python -m benchmarks.aot --backend triton|cutile [--models a,b] [--jobs N] [--arch sm_90]
-                                  [--sass] [--filter NAME]
+                             [--sms N] [--sass] [--filter NAME]
 
 One enumeration serves both backends: :func:`model_calls` runs the real model code (one layer of
 :class:`~tileinfer.models.Transformer`, then the lm_head and argmax) on ``meta`` tensors
@@ -17,7 +17,10 @@ own cases through it too (``python -m benchmarks.ops --precompile N``).
 On the CPU, compiling for sm_90 is the CI check that every kernel builds at every shipped shape
 (tests/test_triton_compile.py, tests/test_cutile_compile.py). On the GPU, the compiled kernels
 land in each backend's disk cache (Triton's ~/.triton/cache, cuTile's ``CUDA_TILE_CACHE_DIR``)
-under the keys a real launch looks up, so the first launches do not compile.
+under the keys a real launch looks up, so the first launches do not compile. Grids are planned for
+``--sms`` SMs (default ``tileinfer.ops.DEFAULT_SMS``, the H200's), passed to the backend's tuning:
+for another GPU give its count, or some kernels (those taking it as a constant) compile for a count
+its launches never use.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from tileinfer.core.config import ModelConfig
 from tileinfer.core.kv_cache import PagedKVCache
 from tileinfer.core.registry import model_config
 from tileinfer.models.transformer import Layer, Transformer
-from tileinfer.ops import Backend, Int8Weight
+from tileinfer.ops import DEFAULT_SMS, Backend, Int8Weight
 
 BACKENDS = ("triton", "cutile")
 # (rows, logits of every row) of the steps the engine runs: decode (1 row); speculative verify (5,
@@ -159,10 +162,16 @@ def run_calls(calls: Sequence[Call], ops: Backend) -> list[dict]:
 
 
 def _compile_share(
-    backend: str, make_calls: Callable[..., list[Call]], args: tuple, arch: str, share: tuple[int, int], sass: bool
+    backend: str,
+    make_calls: Callable[..., list[Call]],
+    args: tuple,
+    arch: str,
+    share: tuple[int, int],
+    sass: bool,
+    sms: int,
 ) -> list[dict]:
     module = importlib.import_module(f"benchmarks.aot.{backend}")
-    return module.compile_share(make_calls(*args), arch, share, sass)
+    return module.compile_share(make_calls(*args), arch, share, sass, sms)
 
 
 def compile_calls(
@@ -172,8 +181,11 @@ def compile_calls(
     arch: str = "sm_90",
     jobs: int = 1,
     sass: bool = False,
+    sms: int = DEFAULT_SMS,
 ) -> list[dict]:
-    """Compile for ``arch`` every distinct kernel the calls ``make_calls(*args)`` launch.
+    """Compile for ``arch`` every distinct kernel the calls ``make_calls(*args)`` launch, their grids
+    planned for ``sms`` SMs (the target GPU's count: some kernels take it as a constant, e.g. the
+    persistent Triton GEMM's program stride, so a compile for another count is another kernel).
 
     ``jobs`` processes (spawned: the parent may hold a CUDA context) each enumerate the calls and
     compile every ``jobs``-th distinct kernel, in first-launch order. ``make_calls`` must be a
@@ -183,9 +195,11 @@ def compile_calls(
     call's label as kernel.
     """
     if jobs <= 1:
-        return _compile_share(backend, make_calls, args, arch, (0, 1), sass)
+        return _compile_share(backend, make_calls, args, arch, (0, 1), sass, sms)
     with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-        parts = [pool.submit(_compile_share, backend, make_calls, args, arch, (k, jobs), sass) for k in range(jobs)]
+        parts = [
+            pool.submit(_compile_share, backend, make_calls, args, arch, (k, jobs), sass, sms) for k in range(jobs)
+        ]
         return [r for part in parts for r in part.result()]
 
 
