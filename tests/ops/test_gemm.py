@@ -346,16 +346,16 @@ def test_int8_prefill_gemm(target, model, T):
 
 @pytest.mark.cases(targets=("cutile",), model=[()])
 def test_cutile_int8_prefill_widening_edges(target):
-    """cuTile's widening pass (INT8 weights from gemm.INT8_WIDEN_ROWS rows) where the model test does
+    """cuTile's widening pass (INT8 weights from Tuning.int8_widen_rows rows) where the model test does
     not go: 511 / 512 / 513 rows around the threshold, fp16 and float32 activations (widened to their
     dtype), a column slice of a wider int8 weight (strided rows, K not a multiple of the 256-wide tile),
     and the float32-logits lm_head at 512 rows (Qwen3-4B's vocabulary). These cases ran ad hoc on
     the H200 (2026-12-03, each within 1e-6 of the reference); the test as written has not yet."""
     from tileinfer.ops import Int8Weight
-    from tileinfer.ops.cutile import gemm
 
     dev, bf = "cuda", torch.bfloat16
-    for T in (gemm.INT8_WIDEN_ROWS - 1, gemm.INT8_WIDEN_ROWS, gemm.INT8_WIDEN_ROWS + 1):
+    rows = target.ops.tuning.int8_widen_rows
+    for T in (rows - 1, rows, rows + 1):
         x = torch.randn(T, 4096, device=dev).to(bf)
         wq = q8((torch.randn(4096, 4096, device=dev) / 64).to(bf))
         close(target.ops.linear(x, wq), R.linear(x, wq), 1e-2, f"T={T}")
