@@ -99,8 +99,9 @@ def _silu_mul(g, u):
 # The weight tile is the A operand ([TN, TK], as stored) and the 16 padded activation rows the B
 # operand ([TK, 16], x loaded transposed): the product is [TN, 16], transposed in the epilogue.
 # With M = TN >= 64 this lowers to Hopper's warpgroup MMA (HGMMA) with no spills; the other way
-# round (x as A, M = 16) cuTile 1.7 emitted HMMA for TN >= 32 and neither HMMA nor HGMMA, with
-# ~1000 spilled words, for TN = 16 (SASS of the sm_90 cubins, see benchmarks/cutile-NOTES.md).
+# round (x as A, M = 16) cuTile 1.7 emitted HMMA for TN >= 32 and, for TN = 16, neither HMMA nor
+# HGMMA but heavy spills (SASS of the sm_90 cubins, benchmarks/cutile-NOTES.md, "linear / swiglu /
+# lm_head").
 
 
 def _skinny_acc(x, w, j, k0, k1, nk, TN, TK, INT8):
@@ -240,11 +241,11 @@ def gemv_reduce_kernel(
 # ~5e-5 of the row's largest output), negligible against bf16/fp16 rounding but not float32's:
 # float32 activations and float32 logits (lm_head) keep the exact mma path.
 #
-# SASS (sm_90, 8-channel blocks, 256-word tiles): per weight in the loop one FFMA, one LOP3
-# (``(u & 0xFF00) ^ 0x3F808000``), 3/4 of a shift, no I2F/F2F/PRMT; besides, 0.3-0.5 IMAD.MOV
-# (ptxas re-materializing the 0xFF00 mask) and x's unpack and sum: ~4.2 instructions a weight in
-# all for linear, ~3.6 for swiglu (its [2 * TN, TKW] tile shares each x value among more rows),
-# against ~6.1 and ~6.8 for the mma kernels' int8 tiles. cuTile 1.7 has no inline PTX, so the
+# SASS (sm_90): per weight in the loop one FFMA, one LOP3 (``(u & 0xFF00) ^ 0x3F808000``), 3/4 of
+# a shift, no I2F/F2F/PRMT; besides, ptxas re-materializes the 0xFF00 mask now and then, and x is
+# unpacked and summed: fewer instructions a weight than the mma kernels' int8 tiles, swiglu fewer
+# than linear (its [2 * TN, TKW] tile shares each x value among more rows); the counts are in
+# benchmarks/cutile-NOTES.md ("linear / swiglu / lm_head"). cuTile 1.7 has no inline PTX, so the
 # Triton kernel's one-PRMT-a-weight conversion is out of reach.
 
 

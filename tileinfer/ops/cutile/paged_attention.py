@@ -92,8 +92,8 @@ def _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i, acc, 
     return m_new, l_i, acc
 
 
-# 128 query rows and 8 worker warps: 168 registers, no spills (SASS), 1.32x the 64-row tiles at 2
-# blocks/SM in run 3 (benchmarks/cutile-NOTES.md)
+# 128 query rows and 8 worker warps: no spills (SASS), and faster than 64-row tiles at two blocks
+# per SM (benchmarks/cutile-NOTES.md, "attention")
 @ct.kernel(num_worker_warps=8)
 def prefill_attention_kernel(
     q, kc, vc, ks, vs, bt, pos, out, scale2: float, TM: ConstInt, D: ConstInt, PS: ConstInt, INT8: ConstBool

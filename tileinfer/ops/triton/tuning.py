@@ -155,7 +155,7 @@ class Tuning:
         GemmTile(128, 128, 64, 8, 8, 4, "tma"),
         GemmTile(64, 128, 64, 8, 4, 4, "ptr"),
     )
-    # At 1k tokens: the 4B qkv takes 128 x 128 tiles (128 x 256 leave a wave 73% full); the 4B down
+    # At 1k tokens: the 4B qkv takes 128 x 128 tiles (128 x 256 leave its last wave part-empty); the 4B down
     # (80 tiles of 128 x 256) and the 8B qkv take stream-K, as does the 4B down at 512 tokens (the
     # runner's chunk); the 4B o (K 4096) stays tiled (results/h200-2026-12-02-streamk.md).
     gemm_bf16_shapes: Mapping[tuple[int, int, int], GemmTile] = field(
