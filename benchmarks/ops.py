@@ -244,7 +244,7 @@ def sweep_families() -> list[Family]:
         return replace(t, prefill_rows=rows, prefill_hints=tuple(sorted(hints.items())) if hints else ())
 
     gemv16 = [(32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4)]
-    # one row through the 16-row tensor-core path (GEMV_DOT): fewer instructions a weight than FMAs
+    # one row through the 16-row tensor-core path (RowMode.DOT): fewer instructions a weight than FMAs
     gemv1_dot = [(16, 256, 4, 4, 3), (32, 256, 4, 4, 3), (32, 512, 4, 3, 3), (64, 128, 4, 4, 3), (64, 256, 8, 3, 3)]
     # INT8 weights: the swap-AB TMA kernel (BLOCK_M tokens x BLOCK_N weight rows; 64 rows a warpgroup).
     # Not 256 x 128 tiles: non-finite outputs on the plain 4B/8B shapes (h200-2026-12-01-int8-prefill-gemm.md)
@@ -299,7 +299,7 @@ def sweep_families() -> list[Family]:
                 (16, 512, 4, 1, 2),
                 (4, 2048, 4, 1, 1),
                 (8, 2048, 4, 1, 2),
-                # GEMV_UNIT: int8 as biased floats, ~3.3 instructions a weight in the loop, not ~5
+                # RowMode.UNIT: int8 as biased floats, fewer instructions a weight in the loop
                 (4, 1024, 4, 1, 4),
                 (8, 512, 4, 1, 4),
                 (8, 1024, 4, 1, 4),

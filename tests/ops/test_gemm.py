@@ -302,7 +302,7 @@ def test_cutile_split_k_matches_single_pass(target):
 
 @pytest.mark.cases("seed", targets=("triton-interpret",), small=[(seed,) for seed in range(3)])
 def test_triton_gemv_unit_error_is_a_rounding_flip_at_most(target, seed):
-    """GEMV_UNIT (int8 weights as biased floats, the bias removed once per output) at one row,
+    """RowMode.UNIT (int8 weights as biased floats, the bias removed once per output) at one row,
     bf16, with an outlier channel in x (outliers carry the bias term's rounding): every output is
     the reference's or one bf16 step from it (measured: 5 of 64 flipped), and the distance to the
     exact float64 product within 1.25x the reference's own (measured 0.98-1.06x over 3 seeds).
