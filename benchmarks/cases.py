@@ -38,15 +38,16 @@ class Case:
     shape: str
     variant: str  # bf16 / int8w / int8kv ...
     make: Callable[[str], dict]
-    call: Callable  # call(ops, args)
+    call: Callable  # call(ops, args, **keywords): keywords of the op (a tile, plan or tuning)
     torch_call: Callable | None  # torch_call(args)
     nbytes: int = 0
     flops: int = 0
     tags: dict = field(default_factory=dict)
 
-    def fn(self, ops) -> Callable:
-        """The op as ``fn(args)``: through a backend module, or torch's path when ``ops == "torch"``."""
-        return self.torch_call if ops == "torch" else (lambda a: self.call(ops, a))
+    def fn(self, ops, **keywords) -> Callable:
+        """The op as ``fn(args)``: through a backend (with the op's ``keywords``), or torch's path when
+        ``ops == "torch"``."""
+        return self.torch_call if ops == "torch" else (lambda a: self.call(ops, a, **keywords))
 
     @property
     def metric(self) -> str:
@@ -115,9 +116,9 @@ def linear_cases(name: str, phase: str, T: int) -> list[Case]:
                 return a
 
             call = {
-                "linear": lambda ops, a: ops.linear(a["x"], a["w"], a.get("b")),
-                "swiglu": lambda ops, a: ops.swiglu(a["x"], a["w"]),
-                "lm_head": lambda ops, a: ops.lm_head(a["x"], a["w"]),
+                "linear": lambda ops, a, **kw: ops.linear(a["x"], a["w"], a.get("b"), **kw),
+                "swiglu": lambda ops, a, **kw: ops.swiglu(a["x"], a["w"], **kw),
+                "lm_head": lambda ops, a, **kw: ops.lm_head(a["x"], a["w"], **kw),
             }[op]
             tcall = {"linear": _torch_linear, "swiglu": _torch_swiglu, "lm_head": _torch_lm_head}[op]
             n_out = n // 2 if op == "swiglu" else n
@@ -207,7 +208,7 @@ def attention_cases(name: str, phase: str, T: int, contexts) -> list[Case]:
                     f"T={T} ctx={L}",
                     "int8kv" if int8 else "bf16",
                     make,
-                    lambda ops, a: ops.attention(a["q"], a["layer"], a["bt"], a["pos"], d**-0.5),
+                    lambda ops, a, **kw: ops.attention(a["q"], a["layer"], a["bt"], a["pos"], d**-0.5, **kw),
                     _sdpa,
                     nbytes=_kv_bytes(m, L, int8),
                     flops=4 * causal * heads * d,
@@ -218,7 +219,7 @@ def attention_cases(name: str, phase: str, T: int, contexts) -> list[Case]:
 
 
 def small_cases(name: str, phase: str, T: int) -> list[Case]:
-    """Embedding, the norms and the q/k norm + RoPE + KV write; argmax and sampling at decode."""
+    """Embedding, the norms and the q/k norm + RoPE + KV write; the argmax at decode."""
     m = model_config(name)
     bf = torch.bfloat16
     H, d, V = m.hidden_size, m.head_dim, m.vocab_size
@@ -316,33 +317,6 @@ def small_cases(name: str, phase: str, T: int) -> list[Case]:
                 mk,
                 lambda ops, a: ops.argmax(a["x"]),
                 lambda a: a["x"].argmax(-1),
-                nbytes=4 * T * V,
-            )
-        )
-        out.append(
-            Case(
-                name,
-                phase,
-                "sample",
-                f"T={T} V={V} t=0.7 k=20 p=0.95",
-                "f32",
-                mk,
-                lambda ops, a: ops.sample(a["x"], 0.7, 20, 0.95, None),
-                lambda a: reference.sample(a["x"], 0.7, 20, 0.95, None),
-                nbytes=4 * T * V,
-            )
-        )
-        # top-p alone on flat random logits: a nucleus of thousands of tokens (the slow exact path)
-        out.append(
-            Case(
-                name,
-                phase,
-                "sample",
-                f"T={T} V={V} t=1 k=0 p=0.9 flat",
-                "f32",
-                mk,
-                lambda ops, a: ops.sample(a["x"], 1.0, 0, 0.9, None),
-                lambda a: reference.sample(a["x"], 1.0, 0, 0.9, None),
                 nbytes=4 * T * V,
             )
         )

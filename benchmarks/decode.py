@@ -70,9 +70,10 @@ def time_steps(runner: ModelRunner, seq, tokens: list[int], mode: str) -> float:
     return dt
 
 
-def each_runner(name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int, visit) -> list:
+def each_runner(name: str, backends: list, quants: list[str], contexts: list[int], steps: int, visit) -> list:
     """For one registered model's shape with random weights, calls ``visit(quant, backend, ctx,
-    runner, seq, tokens)`` for each combination, the runner's cache prefilled with ``ctx`` tokens
+    runner, seq, tokens)`` for each combination (``backends``: names, or Backends with a tuning of
+    their own; ``backend`` is the name), the runner's cache prefilled with ``ctx`` tokens
     and ``tokens`` the ``steps + 2`` next ones to decode; returns what the calls returned, in order.
     Each runner and its cache are freed before the next is built, and each quant's weights before
     the next quant's (so ``visit`` must not keep them).
@@ -96,12 +97,13 @@ def each_runner(name: str, backends: list[str], quants: list[str], contexts: lis
         for backend in backends:
             for ctx in contexts:
                 runner = ModelRunner(model, backend, kv_int8=int8_kv, max_seq_len=ctx + steps + 2, cuda_graph=True)
+                backend_name = runner.ops.name
                 if not runner.cuda_graph:
-                    raise RuntimeError(f"backend {backend} is not capturable in a CUDA graph")
+                    raise RuntimeError(f"backend {backend_name} is not capturable in a CUDA graph")
                 seq = runner.new_sequence()
                 try:
                     runner.prefill(seq, tokens[:ctx])
-                    results.append(visit(quant, backend, ctx, runner, seq, tokens[ctx : ctx + steps + 2]))
+                    results.append(visit(quant, backend_name, ctx, runner, seq, tokens[ctx : ctx + steps + 2]))
                 finally:
                     seq.release()
                 del runner, seq
@@ -111,9 +113,9 @@ def each_runner(name: str, backends: list[str], quants: list[str], contexts: lis
 
 
 def bench_model(
-    name: str, backends: list[str], quants: list[str], contexts: list[int], steps: int, copy_GBps: float, log=print
+    name: str, backends: list, quants: list[str], contexts: list[int], steps: int, copy_GBps: float, log=print
 ) -> list[dict]:
-    """Rows of one model (see the module docstring)."""
+    """Rows of one model (see the module docstring); ``backends`` as :func:`each_runner` takes them."""
 
     def rows_of(quant, backend, ctx, runner, seq, step_tokens) -> list[dict]:
         roof = copy_GBps * 1e9 / bytes_per_step(runner, ctx)

@@ -20,29 +20,29 @@ its fraction of the ceiling, and ``vs_torch`` = torch time / backend time (> 1: 
 
 ``--sweep`` first times the alternative configurations of each backend's kernel families on the
 Qwen3-4B/8B shapes (:func:`sweep_families`: Triton's GEMV, GEMM and attention tiles, from which the
-tables in tileinfer/ops/triton/*.py were chosen; cuTile's skinny-GEMM plans and prefill-attention
-tiles). Each sweep config's output is first compared with the reference backend's on the same inputs:
-a wrong one (non-finite, or past the op tests' error bound) is logged as WRONG OUTPUT, not timed, and
-never chosen. ``--precompile N`` first compiles every kernel the run launches, sweep configurations
-included, in N processes per backend through :mod:`benchmarks.aot` (compilation dominates a
-cold run otherwise); the run then reports how many cuTile JIT compiles still happened (0 when the
-precompile predicted every launch). Results: DIR/ops.parquet, DIR/ops.md, DIR/targets.md (and
-DIR/sweep.* with --sweep), written with polars, or pyarrow where polars is missing.
+tables in tileinfer/ops/triton/tuning.py were chosen; cuTile's skinny-GEMM plans and prefill-attention
+tiles), each passed to the op as its ``tile``/``plan`` or in its ``tuning``; ``--apply-sweep`` runs
+the main table with a tuning holding the winners (:func:`tuned`). Each sweep config's output is
+first compared with the reference backend's on the same inputs: a wrong one (non-finite, or past
+the op tests' error bound) is logged as WRONG OUTPUT, not timed, and never chosen.
+``--precompile N`` first compiles every kernel the run launches, sweep configurations included, in
+N processes per backend through :mod:`benchmarks.aot` (compilation dominates a cold run otherwise);
+the run then reports how many cuTile JIT compiles still happened (0 when the precompile predicted
+every launch). Results: DIR/ops.parquet, DIR/ops.md, DIR/targets.md (and DIR/sweep.* with
+--sweep), written with polars, or pyarrow where polars is missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import functools
-import importlib
 import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -53,6 +53,7 @@ from benchmarks.cases import TARGET_MODELS, Case, model_cases
 from tileinfer.core.errors import UserError
 from tileinfer.core.registry import model_config
 from tileinfer.ops import reference as ref
+from tileinfer.ops import sm_count
 
 L2_BYTES = 60 * 2**20
 LINEAR_OPS = ("linear", "swiglu", "lm_head")
@@ -169,65 +170,50 @@ def _n_sets(args: dict) -> int:
 class Family:
     """Alternative configurations of one kernel family of one backend, timed by ``--sweep``.
 
-    ``install(cfg)`` makes the backend launch with ``cfg`` from then on and returns a function that
-    puts the previous setting back. ``per_shape``: the override also takes {cfg_key: cfg} (see
-    ``Case.tags["cfg_key"]``), so ``--apply-sweep`` installs each shape's winner.
+    A config runs by passing :meth:`keywords` to the op: the tile or plan ``make(cfg)`` builds, as
+    the op's ``keyword`` argument, or (a family without ``make``) a tuning changed by ``tune(tuning,
+    cfg)``. ``shapes_field``: the tuning field of per-shape entries, keyed as ``Case.tags["cfg_key"]``,
+    where :func:`tuned` installs each shape's winner; a ``tune`` family's overall winner is installed
+    for every shape; a family with neither is timed only.
     """
 
     backend: str
     name: str
     configs: list
     keep: Callable[[Case], bool]
-    install: Callable[[object], Callable[[], None]]
-    per_shape: bool = False
+    make: Callable[[object], object] | None = None
+    keyword: str = "tile"
+    shapes_field: str | None = None
+    tune: Callable[[object, object], object] | None = None
 
-    @contextlib.contextmanager
-    def using(self, cfg):
-        undo = self.install(cfg)
-        try:
-            yield
-        finally:
-            undo()
-
-
-def _triton_override(module: str, key: str) -> Callable:
-    """Install a config as ``tileinfer.ops.triton.<module>._OVERRIDE[key]`` (read at each launch)."""
-
-    def install(cfg):
-        overrides = importlib.import_module(f"tileinfer.ops.triton.{module}")._OVERRIDE
-        overrides[key] = cfg
-        return lambda: overrides.pop(key, None)
-
-    return install
+    def keywords(self, cfg, tuning) -> dict:
+        """The op keywords that run ``cfg`` on a backend whose tuning is ``tuning``."""
+        if self.make is not None:
+            return {self.keyword: self.make(cfg)}
+        return {"tuning": self.tune(tuning, cfg)}
 
 
-def _cutile_gemv_plan(cfg: dict) -> Callable[[], None]:
-    """Install a skinny-GEMM plan for every GEMV: tile rows TN, tile depth TK, split-K factor S."""
-    from tileinfer.ops.cutile import gemm
-
-    prev, gemm.PLAN_OVERRIDE = gemm.PLAN_OVERRIDE, dict(cfg)
-    return lambda: setattr(gemm, "PLAN_OVERRIDE", prev)
-
-
-def _cutile_prefill_attention(cfg: tuple) -> Callable[[], None]:
-    """Install (query rows per block, the kernel's occupancy / worker-warp hints or None)."""
-    from tileinfer.ops.cutile import paged_attention as A
-
-    prev = A.prefill_attention_kernel, A.PREFILL_TM
-    rows, hints = cfg
-    A.prefill_attention_kernel = prev[0].replace_hints(**hints) if hints else prev[0]
-    A.PREFILL_TM = rows
-
-    def undo():
-        A.prefill_attention_kernel, A.PREFILL_TM = prev
-
-    return undo
+def tuned(tuning, winners: dict, backend: str):
+    """``tuning`` with the sweep winners (:func:`sweep_winners`) of ``backend``'s families installed:
+    each shape's winner into a per-shape family's field, the overall winner of a ``tune`` family."""
+    for w in winners.values():
+        fam = w["family"]
+        if fam.backend != backend:
+            continue
+        if fam.shapes_field and w["by_key"]:
+            entries = {k: fam.make(cfg) for k, cfg in w["by_key"].items()}
+            tuning = replace(tuning, **{fam.shapes_field: {**getattr(tuning, fam.shapes_field), **entries}})
+        elif fam.tune is not None:
+            tuning = fam.tune(tuning, w["config"])
+    return tuning
 
 
 def sweep_families() -> list[Family]:
     """Every tile sweep: Triton's table entries (GEMV at 1 and 16 rows, GEMM, decode and prefill
     attention), cuTile's skinny-GEMM plans and prefill-attention tiles (128-row tiles with the
     default hints, 64-row tiles at two blocks per SM, 64-row tiles with the default hints)."""
+    from tileinfer.ops.cutile.plan import SkinnyPlan
+    from tileinfer.ops.triton.tuning import DecodeTile, GemmTile, GemvTile, PrefillTile, RowMode
 
     def linear(phase, variant):
         return lambda c: c.phase == phase and c.op in LINEAR_OPS and c.variant == variant
@@ -238,9 +224,27 @@ def sweep_families() -> list[Family]:
     def prefill_attention(c):
         return c.phase == "prefill" and c.op == "attention"
 
-    gemm, attn = functools.partial(_triton_override, "gemm"), functools.partial(_triton_override, "paged_attention")
+    def gemv(field):
+        return dict(make=lambda c: GemvTile(*c[:4], RowMode(c[4]) if len(c) > 4 else None), shapes_field=field)
+
+    def gemm(field):
+        return dict(make=lambda c: GemmTile(*c), shapes_field=field)
+
+    def decode_tile(t, c):
+        return replace(t, decode_tile=DecodeTile(*c), decode_tile_int8_long=DecodeTile(*c))
+
+    def decode_programs(t, per_sm):
+        return replace(t, decode_programs_per_sm=per_sm, decode_programs_per_sm_int8_long=per_sm)
+
+    def prefill_tile(t, c):
+        return replace(t, prefill_tile_large=PrefillTile(*c), prefill_tile_small=PrefillTile(*c))
+
+    def cutile_prefill(t, c):
+        rows, hints = c
+        return replace(t, prefill_rows=rows, prefill_hints=tuple(sorted(hints.items())) if hints else ())
+
     gemv16 = [(32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4)]
-    # one row through the 16-row tensor-core path (GEMV_DOT): fewer instructions a weight than FMAs
+    # one row through the 16-row tensor-core path (RowMode.DOT): fewer instructions a weight than FMAs
     gemv1_dot = [(16, 256, 4, 4, 3), (32, 256, 4, 4, 3), (32, 512, 4, 3, 3), (64, 128, 4, 4, 3), (64, 256, 8, 3, 3)]
     # INT8 weights: the swap-AB TMA kernel (BLOCK_M tokens x BLOCK_N weight rows; 64 rows a warpgroup).
     # Not 256 x 128 tiles: non-finite outputs on the plain 4B/8B shapes (h200-2026-12-01-int8-prefill-gemm.md)
@@ -252,7 +256,7 @@ def sweep_families() -> list[Family]:
         (128, 64, 64, 8, 8, 4, "swap"),
         (256, 64, 64, 8, 4, 4, "swap"),
         (128, 64, 64, 8, 4, 4, "swap"),
-        (128, 128, 64, 8, 8, 3, "ptr"),  # from 512 rows any other kind means: widen, then the BF16 tables
+        (128, 128, 64, 8, 8, 3, "ptr"),  # from int8_dequant_rows rows a non-swap tile runs on the widened weight
     ]
     gemm_cfgs = [
         (128, 128, 64, 8, 8, 3, "ptr"),
@@ -283,8 +287,7 @@ def sweep_families() -> list[Family]:
                 *gemv1_dot,
             ],
             linear("decode", "bf16"),
-            gemm("gemv1_bf16"),
-            per_shape=True,
+            **gemv("gemv1_bf16_shapes"),
         ),
         Family(
             "triton",
@@ -296,7 +299,7 @@ def sweep_families() -> list[Family]:
                 (16, 512, 4, 1, 2),
                 (4, 2048, 4, 1, 1),
                 (8, 2048, 4, 1, 2),
-                # GEMV_UNIT: int8 as biased floats, ~3.3 instructions a weight in the loop, not ~5
+                # RowMode.UNIT: int8 as biased floats, fewer instructions a weight in the loop
                 (4, 1024, 4, 1, 4),
                 (8, 512, 4, 1, 4),
                 (8, 1024, 4, 1, 4),
@@ -313,41 +316,43 @@ def sweep_families() -> list[Family]:
                 *gemv1_dot,
             ],
             linear("decode", "int8w"),
-            gemm("gemv1_int8"),
-            per_shape=True,
+            **gemv("gemv1_int8_shapes"),
         ),
-        Family("triton", "gemv16 bf16", gemv16, linear("verify", "bf16"), gemm("gemv16_bf16"), per_shape=True),
-        Family("triton", "gemv16 int8", gemv16, linear("verify", "int8w"), gemm("gemv16_int8"), per_shape=True),
-        Family("triton", "gemm bf16", gemm_cfgs, linear("prefill", "bf16"), gemm("gemm_bf16"), per_shape=True),
-        Family("triton", "gemm int8", gemm_int8_cfgs, linear("prefill", "int8w"), gemm("gemm_int8"), per_shape=True),
+        Family("triton", "gemv16 bf16", gemv16, linear("verify", "bf16"), **gemv("gemv16_bf16_shapes")),
+        Family("triton", "gemv16 int8", gemv16, linear("verify", "int8w"), **gemv("gemv16_int8_shapes")),
+        Family("triton", "gemm bf16", gemm_cfgs, linear("prefill", "bf16"), **gemm("gemm_bf16_shapes")),
+        Family("triton", "gemm int8", gemm_int8_cfgs, linear("prefill", "int8w"), **gemm("gemm_int8_shapes")),
         Family(
             "triton",
             "decode attn tile",
             [(64, 4, 2), (64, 4, 1), (128, 4, 3), (128, 4, 1)],
             long_decode,
-            attn("decode_tile"),
+            tune=decode_tile,
         ),
-        Family("triton", "decode attn programs", [264, 528, 792, 1056], long_decode, attn("programs")),
+        # split-kernel programs per SM
+        Family("triton", "decode attn programs", [2, 4, 6, 8], long_decode, tune=decode_programs),
         Family(
             "triton",
             "prefill attn tile",
             [(128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
             prefill_attention,
-            attn("prefill_tile"),
+            tune=prefill_tile,
         ),
+        # (TN, TK, S) of the tensor-core skinny product, timed only (there is no per-shape plan table)
         Family(
             "cutile",
             "cutile gemv plan",
-            [dict(TN=tn, TK=tk, S=s) for tn in (64, 128) for tk in (64, 128, 256) for s in (1, 4)],
+            [(tn, tk, s) for tn in (64, 128) for tk in (64, 128, 256) for s in (1, 4)],
             lambda c: c.phase == "decode" and c.op == "linear" and c.variant == "bf16",
-            _cutile_gemv_plan,
+            make=lambda c: SkinnyPlan("mma", *c),
+            keyword="plan",
         ),
         Family(
             "cutile",
             "cutile prefill attn",
             [(128, None), (64, {"occupancy": 2, "num_worker_warps": None}), (64, None)],
             prefill_attention,
-            _cutile_prefill_attention,
+            tune=cutile_prefill,
         ),
     ]
 
@@ -376,8 +381,8 @@ SWEEP_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 
 def output_error(out, want) -> str:
     """Why a sweep config's output is not the reference's, or "" when it is: non-finite elements,
-    or a relative error past :data:`SWEEP_TOL`. Outputs that are not floating tensors (sampled
-    tokens) are not checked. Seen: Triton swap-AB tiles of 256 tokens that left NaN or 3-7% errors
+    or a relative error past :data:`SWEEP_TOL`. Outputs that are not floating tensors (token
+    ids) are not checked. Seen: Triton swap-AB tiles of 256 tokens that left NaN or 3-7% errors
     while timing well (results/h200-2026-12-01-int8-prefill-gemm.md)."""
     if not (isinstance(out, torch.Tensor) and out.is_floating_point() and isinstance(want, torch.Tensor)):
         return ""
@@ -411,9 +416,9 @@ def run_sweep(
                 continue
             for cfg in fam.configs:
                 try:
-                    with fam.using(cfg):
-                        wrong = output_error(c.call(ops, a0), want)
-                        us = math.nan if wrong else _median_graph_us(c.fn(ops), sets, 1.0, 5)[0]
+                    kw = fam.keywords(cfg, ops.tuning)
+                    wrong = output_error(c.call(ops, a0, **kw), want)
+                    us = math.nan if wrong else _median_graph_us(c.fn(ops, **kw), sets, 1.0, 5)[0]
                     r = _table_rows(c, fam.backend, us, True, ceil, None)
                     r.update(family=fam.name, config=str(cfg), cfg_key=str(c.tags.get("cfg_key")), wrong=wrong)
                     rows.append(r)
@@ -473,8 +478,7 @@ def _launch_case(c: Case, ops) -> None:
 
 
 def _launch_case_with(fam: Family, cfg, c: Case, ops) -> None:
-    with fam.using(cfg):
-        c.call(ops, c.make("meta"))
+    c.call(ops, c.make("meta"), **fam.keywords(cfg, ops.tuning))
 
 
 def table_cases(models, long_ctx: bool, ops: str = "", phases: str = "") -> list[Case]:
@@ -508,14 +512,24 @@ def bench_calls(
 
 
 def precompile(
-    backends, models, jobs: int, long_ctx: bool, sweep_models, families: str, arch: str, ops: str = "", phases: str = ""
+    backends,
+    models,
+    jobs: int,
+    long_ctx: bool,
+    sweep_models,
+    families: str,
+    arch: str,
+    sms: int,
+    ops: str = "",
+    phases: str = "",
 ) -> float:
-    """Compile every kernel of :func:`bench_calls` for ``arch`` in ``jobs`` processes per backend, so
-    that the timed run finds them in the disk caches; print the failures. Returns seconds taken."""
+    """Compile every kernel of :func:`bench_calls` for ``arch`` and ``sms`` SMs (the GPU the run
+    times) in ``jobs`` processes per backend, so that the timed run finds them in the disk caches;
+    print the failures. Returns seconds taken."""
     t0 = time.perf_counter()
     for backend in backends:
         args = (backend, models, long_ctx, sweep_models, families, ops, phases)
-        recs = compile_calls(backend, bench_calls, args, arch, jobs)
+        recs = compile_calls(backend, bench_calls, args, arch, jobs, sms=sms)
         failed = [r for r in recs if r["error"]]
         print(f"precompile {backend}: {len(recs) - len(failed)} kernels for {arch}, {len(failed)} failed", flush=True)
         for r in failed:  # the timed run reports these cases again
@@ -740,6 +754,7 @@ def main(argv=None) -> int:
             sweep_models,
             a.sweep_families,
             f"sm_{major}{minor}",
+            sm_count(torch.device("cuda")),
             a.ops,
             a.phases,
         )
@@ -769,12 +784,12 @@ def main(argv=None) -> int:
             )
             for sh, cfg in sorted(w["per_shape"].items()):
                 print(f"    best for {' '.join(sh)}: {cfg}")
-            if a.apply_sweep:
-                if w["family"].per_shape and w["by_key"]:  # per-shape winners; other shapes keep the table
-                    w["family"].install(dict(w["by_key"]))
-                    print(f"    applied per shape: {w['by_key']}")
-                else:
-                    w["family"].install(w["config"])
+        if a.apply_sweep:  # per-shape winners into the shape tables; a tuning family's winner everywhere
+            winners = sweep_winners(srows)
+            for name, backend in backends.items():
+                if name != "torch" and backend.tuning is not None:
+                    backends[name] = get_backend(name, tuned(backend.tuning, winners, name))
+                    print(f"    applied to {name}: {backends[name].tuning}")
         sys.stdout.flush()
     cases = table_cases(models, not a.no_32k, a.ops, a.phases)
     rows = run_cases(cases, backends, ceil, dev, a.budget)

@@ -6,9 +6,9 @@
 Random weights with the registered shapes; one sequence of ``--tokens`` prompt tokens prefilled
 in chunks, after one untimed prefill (compilation). Reports the median of ``--reps`` prefills in
 ms and tok/s and the ratio to the first chunk size; writes OUT/prefill-chunks.md and .parquet.
-``--variant NAME=MOD.ATTR=LITERAL[;...]`` (repeatable, as in decode_ab.py) runs every row again with
-those module attributes set; the shipped code runs first as ``shipped``, and each row also gives
-its ratio to the shipped row of the same model, quant, backend and chunk.
+``--variant NAME=BACKEND.FIELD=LITERAL[;...]`` (repeatable, as in ``benchmarks.decode_ab``) runs every
+row again on backends whose tuning has those fields; the shipped tuning runs first as ``shipped``,
+and each row also gives its ratio to the shipped row of the same model, quant, backend and chunk.
 The jobs prefill with the runner's default chunk (512): the GEMM tables were tuned at 1,024.
 """
 
@@ -22,7 +22,7 @@ import time
 import torch
 
 from benchmarks.decode import contexts_arg, positive_int, refuse_unknown
-from benchmarks.decode_ab import parse_variant, patched, refuse_variant_names
+from benchmarks.decode_ab import parse_variant, refuse_variant_names, variant_backend
 from benchmarks.ops import save
 from quantize import NAMED, apply, named_scheme
 from tileinfer.core.checkpoint.random_init import random_state_dict
@@ -54,7 +54,9 @@ def main() -> None:
     p.add_argument("--chunks", type=contexts_arg, default="512,1024,2048", help="token counts (512 or 1k)")
     p.add_argument("--tokens", type=positive_int, default=8192)
     p.add_argument("--reps", type=positive_int, default=3)
-    p.add_argument("--variant", type=parse_variant, action="append", default=[], help="NAME=MODULE.ATTR=LITERAL[;...]")
+    p.add_argument(
+        "--variant", type=parse_variant, action="append", default=[], help="NAME=BACKEND.FIELD=LITERAL[;...]"
+    )
     p.add_argument("--out", default="runs/bench")
     a = p.parse_args()
     refuse_variant_names(p, a.variant)
@@ -62,7 +64,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("no CUDA device: the prefill benchmark needs a GPU", file=sys.stderr)
         raise SystemExit(2)
-    variants = [("shipped", [])] + a.variant
+    variants = [("shipped", {})] + a.variant
     tokens = torch.randint(0, 1000, (a.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     header = f"Device {torch.cuda.get_device_name()}.\n\n"
     rows = []
@@ -75,18 +77,17 @@ def main() -> None:
             model = Transformer.from_state_dict(config, weights, device="cuda")
             for backend in a.backends.split(","):
                 shipped = {}
-                for variant, sets in variants:
+                for variant, changes in variants:
                     base = None
                     for chunk in a.chunks:
                         runner = ModelRunner(
                             model,
-                            backend,
+                            variant_backend(backend, changes),
                             kv_int8=scheme.kv_cache == "int8",
                             max_seq_len=a.tokens + 2,
                             prefill_chunk=chunk,
                         )
-                        with patched(sets):
-                            ms = prefill_ms(runner, tokens, a.reps)
+                        ms = prefill_ms(runner, tokens, a.reps)
                         base = base or ms
                         shipped.setdefault(chunk, ms)
                         row = dict(

@@ -35,25 +35,47 @@ def test_bench_decode_refuses_bad_values_in_one_line(argv, capsys):
     assert err[-1].startswith("python -m benchmarks.decode: error:") and "Traceback" not in "".join(err)
 
 
-def test_variant_is_parsed_and_its_targets_checked():
+def test_variant_is_parsed_into_typed_tuning_fields():
+    from tileinfer.ops.cutile.plan import DECODE_ROWS  # noqa: F401  (cuTile importable: its tuning is checked)
+    from tileinfer.ops.triton.tuning import DecodeTile, GemmTile, GemvTile, RowMode
+
     ab = _script("decode_ab")
-    name, sets = ab.parse_variant("v=benchmarks.decode.MODES=('graph',);benchmarks.ops.save=None")
-    assert name == "v" and sets == [
-        ("benchmarks.decode", "MODES", ("graph",)),
-        ("benchmarks.ops", "save", None),
-    ]
+    name, changes = ab.parse_variant(
+        "v=triton.decode_tile=(128, 4, 2);triton.gemv1_int8=((4096, (4, 1024, 4, 3, 4)), (None, (16, 512, 4, 3, 2)));"
+        "triton.gemm_bf16_shapes={(1024, 6144, 2560): (128, 128, 64, 8, 8, 4, 'tma_ws')};cutile.int8_unit=False;"
+        "triton.sms=None"
+    )
+    assert name == "v" and changes == {
+        "triton": {
+            "decode_tile": DecodeTile(128, 4, 2),
+            "gemv1_int8": (
+                (4096, GemvTile(4, 1024, 4, 3, RowMode.UNIT)),
+                (None, GemvTile(16, 512, 4, 3, RowMode.WORDS)),
+            ),
+            "gemm_bf16_shapes": {(1024, 6144, 2560): GemmTile(128, 128, 64, 8, 8, 4, "tma_ws")},
+            "sms": None,
+        },
+        "cutile": {"int8_unit": False},
+    }
+    assert type(changes["triton"]["gemv1_int8"][0][1].row_mode) is RowMode
+    backend = ab.variant_backend("triton", changes)
+    assert backend.tuning.decode_tile == DecodeTile(128, 4, 2) and backend.tuning.gemv16_bf16 == GemvTile(32, 256, 4, 4)
 
 
 @pytest.mark.parametrize(
     "text, why",
     [
         ("bogus", "expected NAME"),
-        ("benchmarks.decode.MODES=1", "expected NAME"),  # no name
-        ("v=benchmarks.decode.MODES=", "is not MODULE.ATTR=LITERAL"),
-        ("v=benchmarks.decode.MODES=1;", "is not MODULE.ATTR=LITERAL"),
-        ("v=benchmarks.decode.MODES=graph", "not a Python literal"),
-        ("v=benchmarks.decode.NOPE=1", "has no attribute NOPE"),
-        ("v=no_such_module.A=1", "cannot import no_such_module"),
+        ("triton.sms=1", "expected NAME"),  # no name
+        ("v=triton.sms=", "is not BACKEND.FIELD=LITERAL"),
+        ("v=triton.sms=1;", "is not BACKEND.FIELD=LITERAL"),
+        ("v=triton.sms=many", "not a Python literal"),
+        ("v=triton.nope=1", "has no field nope"),
+        ("v=cuda.sms=1", "'cuda' is not one of triton, cutile"),
+        ("v=triton.sms='132'", "is not a int"),
+        ("v=triton.decode_tile=(128, 4)", "DecodeTile"),
+        ("v=triton.gemm_bf16=((128, 128, 64, 8, 8, 4, 'fast'),)", "triton.gemm_bf16"),
+        ("v=cutile.int8_unit=1", "is not a bool"),
     ],
 )
 def test_variant_refuses_before_any_run(text, why):
@@ -66,8 +88,8 @@ def test_variant_refuses_before_any_run(text, why):
 @pytest.mark.parametrize(
     "variants",
     [
-        ["shipped=benchmarks.decode.MODES=()"],
-        ["a=benchmarks.decode.MODES=()", "a=benchmarks.decode.MODES=(1,)"],
+        ["shipped=triton.sms=100"],
+        ["a=triton.sms=100", "a=triton.sms=120"],
     ],
 )
 def test_variant_names_unique_and_not_the_baseline(script, variants, capsys, monkeypatch):

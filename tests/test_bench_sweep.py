@@ -1,11 +1,14 @@
-"""bench.ops --sweep: a config whose output differs from the reference backend's is never timed or
-chosen (a Triton swap-AB tile once left NaN while timing fastest: results/h200-2026-12-01-int8-prefill-gemm.md)."""
+"""benchmarks.ops --sweep: a config whose output differs from the reference backend's is never timed
+or chosen (a Triton swap-AB tile once left NaN while timing fastest:
+results/h200-2026-12-01-int8-prefill-gemm.md); configs reach the ops as arguments, and the winners
+as a tuning."""
 
 import math
 
 import torch
 
-from benchmarks.ops import output_error, sweep_families, sweep_winners
+from benchmarks.ops import output_error, sweep_families, sweep_winners, tuned
+from tileinfer.ops.triton.tuning import TUNING, DecodeTile, GemvTile, RowMode
 
 
 def test_output_error_flags_non_finite_and_far_outputs_only():
@@ -42,3 +45,21 @@ def test_a_wrong_config_never_wins_though_fastest():
     assert str(cfgs[0]) not in best["score"]
     assert best["config"] == cfgs[1]
     assert set(best["per_shape"].values()) == {str(cfgs[1])}
+
+
+def test_configs_are_passed_as_op_arguments_and_winners_installed_as_a_tuning():
+    """A GEMV config is the call's typed ``tile``; a decode-tile config a tuning with it; the winners
+    go into a tuning: each shape's GEMV winner beside the shipped entries, the decode tile for all."""
+    fams = {f.name: f for f in sweep_families()}
+    gemv, decode = fams["gemv1 int8"], fams["decode attn tile"]
+    assert gemv.keywords((8, 512, 4, 1, 4), TUNING) == {"tile": GemvTile(8, 512, 4, 1, RowMode.UNIT)}
+    assert decode.keywords((128, 4, 3), TUNING)["tuning"].decode_tile == DecodeTile(128, 4, 3)
+    winners = {
+        "gemv1 int8": dict(family=gemv, config=(8, 512, 4, 1, 4), by_key={(2560, 9728): (16, 512, 4, 3, 4)}),
+        "decode attn tile": dict(family=decode, config=(128, 4, 1), by_key={}),
+    }
+    t = tuned(TUNING, winners, "triton")
+    assert t.gemv1_int8_shapes[(2560, 9728)] == GemvTile(16, 512, 4, 3, RowMode.UNIT)
+    assert set(t.gemv1_int8_shapes) == set(TUNING.gemv1_int8_shapes) | {(2560, 9728)}
+    assert t.decode_tile == t.decode_tile_int8_long == DecodeTile(128, 4, 1)
+    assert tuned(TUNING, winners, "cutile") == TUNING

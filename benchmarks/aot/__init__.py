@@ -1,10 +1,10 @@
 """Ahead-of-time compilation of the kernels the models launch, for a GPU that need not be present.
 
     python -m benchmarks.aot --backend triton|cutile [--models a,b] [--jobs N] [--arch sm_90]
-                                  [--sass] [--filter NAME]
+                             [--sms N] [--sass] [--filter NAME]
 
 One enumeration serves both backends: :func:`model_calls` runs the real model code (one layer of
-:class:`~tileinfer.models.Transformer`, then the lm_head, argmax and sample) on ``meta`` tensors
+:class:`~tileinfer.models.Transformer`, then the lm_head and argmax) on ``meta`` tensors
 (shapes and dtypes, no storage) for each model of the registry (``conf/model``, shapes from
 :func:`tileinfer.core.registry.model_config`), each step of :data:`STEPS`, BF16 or INT8 weights, a
 BF16 or INT8 KV cache, a short and a long cache (:data:`CONTEXTS`). A backend module turns the
@@ -17,7 +17,10 @@ own cases through it too (``python -m benchmarks.ops --precompile N``).
 On the CPU, compiling for sm_90 is the CI check that every kernel builds at every shipped shape
 (tests/test_triton_compile.py, tests/test_cutile_compile.py). On the GPU, the compiled kernels
 land in each backend's disk cache (Triton's ~/.triton/cache, cuTile's ``CUDA_TILE_CACHE_DIR``)
-under the keys a real launch looks up, so the first launches do not compile.
+under the keys a real launch looks up, so the first launches do not compile. Grids are planned for
+``--sms`` SMs (default ``tileinfer.ops.DEFAULT_SMS``, the H200's), passed to the backend's tuning:
+for another GPU give its count, or some kernels (those taking it as a constant) compile for a count
+its launches never use.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from tileinfer.core.config import ModelConfig
 from tileinfer.core.kv_cache import PagedKVCache
 from tileinfer.core.registry import model_config
 from tileinfer.models.transformer import Layer, Transformer
-from tileinfer.ops import Backend, Int8Weight
+from tileinfer.ops import DEFAULT_SMS, Backend, Int8Weight
 
 BACKENDS = ("triton", "cutile")
 # (rows, logits of every row) of the steps the engine runs: decode (1 row); speculative verify (5,
@@ -103,10 +106,9 @@ def meta_model(c: ModelConfig, int8_weights: bool) -> Transformer:
     return Transformer(c, embed, layers, v(hid), lm_head, max(CONTEXTS))
 
 
-def _step(model: Transformer, context: int, rows: int, every_row: bool, int8_kv: bool, sampling: bool, ops) -> None:
+def _step(model: Transformer, context: int, rows: int, every_row: bool, int8_kv: bool, greedy: bool, ops) -> None:
     """One forward step of ``rows`` tokens through a cache of ``context`` positions (the logits of
-    every row or of the last); then argmax and both sampling paths (top-k + top-p, and top-p alone)
-    on the logits when ``sampling``."""
+    every row or of the last); then the argmax of the logits when ``greedy``."""
     c = model.config
     pages = context // PAGE_SIZE
     kv = PagedKVCache(
@@ -116,17 +118,15 @@ def _step(model: Transformer, context: int, rows: int, every_row: bool, int8_kv:
     tokens = torch.empty(rows, dtype=torch.int64, device="meta")
     positions = torch.empty(rows, dtype=torch.int32, device="meta")
     logits = model.forward(ops, tokens, positions, kv, block_table, None if every_row else slice(-1, None))
-    if sampling:
+    if greedy:
         ops.argmax(logits)
-        ops.sample(logits, 0.7, 20, 0.95, None)
-        ops.sample(logits, 1.0, 0, 0.9, None)
 
 
 def model_calls(names: Sequence[str], steps=STEPS) -> list[Call]:
-    """The launches of one layer of each model in ``names`` (registry names), plus lm_head, argmax
-    and sample: every step of ``steps`` with BF16 and INT8 weights, BF16 and INT8 KV caches, each
-    cache length of :data:`CONTEXTS`. Argmax and sample run once per (model, step) of at most 16 rows
-    (their logits are float32 whatever the weights and the cache)."""
+    """The launches of one layer of each model in ``names`` (registry names), plus lm_head and argmax:
+    every step of ``steps`` with BF16 and INT8 weights, BF16 and INT8 KV caches, each cache length of
+    :data:`CONTEXTS`. The argmax runs once per (model, step) of at most 16 rows (its logits are
+    float32 whatever the weights and the cache)."""
     calls = []
     for name in names:
         c = model_config(name, num_hidden_layers=1)
@@ -135,14 +135,14 @@ def model_calls(names: Sequence[str], steps=STEPS) -> list[Call]:
             for int8_kv in (False, True):
                 for context in CONTEXTS:
                     for rows, every_row in steps:
-                        sampling = rows <= 16 and not int8_w and not int8_kv and context == CONTEXTS[0]
+                        greedy = rows <= 16 and not int8_w and not int8_kv and context == CONTEXTS[0]
                         label = (
                             f"{name} {rows} rows ({'every' if every_row else 'last'} row scored), "
                             f"{'int8' if int8_w else 'bf16'} weights, {'int8' if int8_kv else 'bf16'} "
                             f"KV of {context} positions"
                         )
                         calls.append(
-                            Call(label, functools.partial(_step, model, context, rows, every_row, int8_kv, sampling))
+                            Call(label, functools.partial(_step, model, context, rows, every_row, int8_kv, greedy))
                         )
     return calls
 
@@ -162,10 +162,16 @@ def run_calls(calls: Sequence[Call], ops: Backend) -> list[dict]:
 
 
 def _compile_share(
-    backend: str, make_calls: Callable[..., list[Call]], args: tuple, arch: str, share: tuple[int, int], sass: bool
+    backend: str,
+    make_calls: Callable[..., list[Call]],
+    args: tuple,
+    arch: str,
+    share: tuple[int, int],
+    sass: bool,
+    sms: int,
 ) -> list[dict]:
     module = importlib.import_module(f"benchmarks.aot.{backend}")
-    return module.compile_share(make_calls(*args), arch, share, sass)
+    return module.compile_share(make_calls(*args), arch, share, sass, sms)
 
 
 def compile_calls(
@@ -175,8 +181,11 @@ def compile_calls(
     arch: str = "sm_90",
     jobs: int = 1,
     sass: bool = False,
+    sms: int = DEFAULT_SMS,
 ) -> list[dict]:
-    """Compile for ``arch`` every distinct kernel the calls ``make_calls(*args)`` launch.
+    """Compile for ``arch`` every distinct kernel the calls ``make_calls(*args)`` launch, their grids
+    planned for ``sms`` SMs (the target GPU's count: some kernels take it as a constant, e.g. the
+    persistent Triton GEMM's program stride, so a compile for another count is another kernel).
 
     ``jobs`` processes (spawned: the parent may hold a CUDA context) each enumerate the calls and
     compile every ``jobs``-th distinct kernel, in first-launch order. ``make_calls`` must be a
@@ -186,9 +195,11 @@ def compile_calls(
     call's label as kernel.
     """
     if jobs <= 1:
-        return _compile_share(backend, make_calls, args, arch, (0, 1), sass)
+        return _compile_share(backend, make_calls, args, arch, (0, 1), sass, sms)
     with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-        parts = [pool.submit(_compile_share, backend, make_calls, args, arch, (k, jobs), sass) for k in range(jobs)]
+        parts = [
+            pool.submit(_compile_share, backend, make_calls, args, arch, (k, jobs), sass, sms) for k in range(jobs)
+        ]
         return [r for part in parts for r in part.result()]
 
 

@@ -15,6 +15,7 @@ import time
 
 from benchmarks.aot import BACKENDS, SASS_OPS, compile_calls, model_calls
 from tileinfer.core.registry import shaped_models
+from tileinfer.ops import DEFAULT_SMS
 
 
 def main(argv=None) -> int:
@@ -25,6 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--backend", required=True, choices=BACKENDS)
     p.add_argument("--models", default=",".join(shaped_models()), help="registry names (conf/model), comma-separated")
     p.add_argument("--arch", default="sm_90", help="target GPU architecture")
+    p.add_argument("--sms", type=int, default=DEFAULT_SMS, help="the target GPU's SM count (grids are planned for it)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes")
     p.add_argument("--sass", action="store_true", help="report registers, spills, shared memory and SASS counts")
     p.add_argument("--filter", default="", help="only print kernels whose name contains this")
@@ -37,7 +39,8 @@ def main(argv=None) -> int:
         )
         return 2
     t0 = time.perf_counter()
-    recs = compile_calls(a.backend, model_calls, ([m for m in a.models.split(",") if m],), a.arch, a.jobs, a.sass)
+    models = [m for m in a.models.split(",") if m]
+    recs = compile_calls(a.backend, model_calls, (models,), a.arch, a.jobs, a.sass, a.sms)
     for r in recs:
         if a.filter in r["kernel"] and not r["error"]:
             counts = " ".join(f"{k}={r[k]}" for k in ("regs", "stack", "smem", "smem_dyn", *SASS_OPS) if r.get(k))

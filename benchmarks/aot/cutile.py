@@ -3,7 +3,7 @@
 A cuTile kernel is compiled once per *variant*: its constant parameters (tile sizes, flags) plus
 what the JIT infers from each array argument (dtype, rank, unit strides, size-1 dimensions,
 16-divisibility of shapes and strides, 16-byte alignment). The backend's launches are recorded
-instead of run (:func:`tileinfer.ops.cutile._common.recording`, on meta tensors) and each is turned
+instead of run (:func:`recording`, on meta tensors) and each is turned
 into the :class:`~cuda.tile.compilation.KernelSignature` the JIT would build (the inference rules
 of cuTile 1.7's dispatcher, ``compute_array_specialization_bits``), then compiled with
 ``cuda.tile.compilation.export_kernel`` (tileiras, no GPU). The disk cache key is the kernel's
@@ -13,6 +13,7 @@ finds each cubin in ``CUDA_TILE_CACHE_DIR``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
 import time
@@ -25,7 +26,7 @@ import torch
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 
 from benchmarks.aot import Call, cubin_resources, run_calls
-from tileinfer.ops.cutile import _common
+from tileinfer.ops import DEFAULT_SMS, get_backend
 
 _DTYPES = {
     torch.bfloat16: ct.bfloat16,
@@ -129,15 +130,32 @@ def variants(launches: Sequence[tuple]) -> list[KernelVariant]:
     return out
 
 
-def record(calls: Sequence[Call]) -> tuple[list[KernelVariant], list[dict]]:
-    """The variants ``calls`` launch through the cuTile backend, and failure records of the calls
-    that raised (see :func:`benchmarks.aot.run_calls`)."""
-    from tileinfer.ops import get_backend
+@contextlib.contextmanager
+def recording(run: bool = False):
+    """Collect ``(kernel, grid, args)`` of every ``cuda.tile.launch`` in the block instead of running
+    it (meta tensors), or besides running it (``run``); yields the list. The backend launches
+    through ``cuda.tile.launch`` (``tileinfer.ops.cutile._common.launch``), which this stands in for
+    while the block runs."""
+    launches: list[tuple] = []
+    real = ct.launch
 
-    ops = get_backend("cutile")
+    def record(stream, grid, kernel, args, **kwargs):
+        launches.append((kernel, tuple(grid), tuple(args)))
+        if run:
+            real(stream, grid, kernel, args, **kwargs)
 
-    with _common.recording() as launches:
-        failed = run_calls(calls, ops)
+    ct.launch = record
+    try:
+        yield launches
+    finally:
+        ct.launch = real
+
+
+def record(calls: Sequence[Call], sms: int = DEFAULT_SMS) -> tuple[list[KernelVariant], list[dict]]:
+    """The variants ``calls`` launch through the cuTile backend with its grids planned for ``sms``
+    SMs, and failure records of the calls that raised (see :func:`benchmarks.aot.run_calls`)."""
+    with recording() as launches:
+        failed = run_calls(calls, get_backend("cutile").with_tuning(sms=sms))
     return variants(launches), failed
 
 
@@ -148,10 +166,13 @@ def compile_variant(v: KernelVariant, arch: str) -> bytes:
     return buf.getvalue()
 
 
-def compile_share(calls: Sequence[Call], arch: str, share: tuple[int, int], sass: bool) -> list[dict]:
+def compile_share(
+    calls: Sequence[Call], arch: str, share: tuple[int, int], sass: bool, sms: int = DEFAULT_SMS
+) -> list[dict]:
     """Compile share ``(k, n)`` of the variants ``calls`` launch (every n-th, from the k-th) for
-    ``arch``; records as :func:`benchmarks.aot.compile_calls` describes."""
-    found, failed = record(calls)
+    ``arch``, their grids planned for ``sms`` SMs; records as :func:`benchmarks.aot.compile_calls`
+    describes."""
+    found, failed = record(calls, sms)
     k, n = share
     out = failed if k == 0 else []  # every process records every call: report a failure once
     for v in found[k::n]:

@@ -19,6 +19,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from benchmarks.aot import Call, cubin_resources, run_calls
+from tileinfer.ops import DEFAULT_SMS, get_backend
 
 # Shared memory one block may use, in bytes (227 KB on sm_90). The compiler does not check it; a
 # launch past it fails with OutOfResources, so the check here catches that without a GPU.
@@ -78,14 +79,13 @@ def compiling(target: GPUTarget, share: tuple[int, int] = (0, 1)):
         JITFunction.run = orig
 
 
-def compile_share(calls: Sequence[Call], arch: str, share: tuple[int, int], sass: bool) -> list[dict]:
-    """Compile share ``(k, n)`` of the distinct kernels ``calls`` launch for ``arch`` ("sm_90");
-    records as :func:`benchmarks.aot.compile_calls` describes (a kernel over the target's
-    shared memory is a failure)."""
-    from tileinfer.ops import get_backend
-
-    ops = get_backend("triton")
-
+def compile_share(
+    calls: Sequence[Call], arch: str, share: tuple[int, int], sass: bool, sms: int = DEFAULT_SMS
+) -> list[dict]:
+    """Compile share ``(k, n)`` of the distinct kernels ``calls`` launch for ``arch`` ("sm_90"), their
+    grids planned for ``sms`` SMs; records as :func:`benchmarks.aot.compile_calls` describes (a
+    kernel over the target's shared memory is a failure)."""
+    ops = get_backend("triton").with_tuning(sms=sms)
     cap = int(arch.removeprefix("sm_"))
     with compiling(GPUTarget("cuda", cap, 32), share) as seen:
         failed = run_calls(calls, ops)

@@ -57,13 +57,17 @@ def test_backend_logits_pass_the_gate_against_the_reference_backend(checkpoint, 
 
 
 @pytest.mark.parametrize("quant", ["bf16", "int8_both"])
-def test_triton_streamk_prefill_passes_the_gate(checkpoint, monkeypatch, quant):
+def test_triton_streamk_prefill_passes_the_gate(checkpoint, quant):
     """Every plain prefill GEMM through Triton's stream-K kernel (the tables send only the 4B/8B
-    shapes whose last wave is mostly idle there; this model's 512-row chunks have none)."""
-    from tileinfer.ops.triton import gemm
+    shapes whose last wave is mostly idle there; this model's 512-row chunks have none): a tuning
+    whose BF16 GEMM tables hold that one tile (SwiGLU takes it as "tma"; INT8 weights are widened
+    first, then multiplied by it)."""
+    from tileinfer.ops import get_backend
+    from tileinfer.ops.triton.tuning import GemmTile
 
-    monkeypatch.setitem(gemm._OVERRIDE, "gemm_bf16", (128, 128, 64, 8, 8, 4, "streamk"))
-    _gate_check(checkpoint, "triton", quant, 512)
+    streamk = GemmTile(128, 128, 64, 8, 8, 4, "streamk")
+    backend = get_backend("triton").with_tuning(gemm_bf16=(streamk,), gemm_bf16_swiglu=(streamk,), gemm_bf16_shapes={})
+    _gate_check(checkpoint, backend, quant, 512)
 
 
 @pytest.mark.parametrize("kv_int8", [False, True])

@@ -27,7 +27,6 @@ REF = "tileinfer/ops/reference.py"
 GGUF = "tileinfer/core/checkpoint/gguf_file.py"
 ATT = "tileinfer/ops/triton/paged_attention.py"
 ROPE = "tileinfer/ops/triton/rope_kv.py"
-SAMP = "tileinfer/ops/triton/sampling.py"
 NORMS = "tileinfer/ops/triton/norms.py"
 SMOOTH = "quantize/smoothing.py"
 METRICS = "evals/metrics.py"
@@ -37,7 +36,6 @@ GATE = "evals/verdicts.py"
 T_GGUF = ("tests/test_gguf_permute.py",)
 T_LOGITS = ("tests/test_model_vs_transformers.py",)
 T_ATT = ("tests/ops/test_attention.py::test_attention",)
-T_SAMP = ("tests/ops/test_sampling.py",)
 T_NORMS = ("tests/ops/test_norms.py::test_rms_norm_where_eps_matters",)
 T_SMOOTH = ("tests/test_smoothing.py",)
 T_METRICS = ("tests/test_metrics_exact.py",)
@@ -294,34 +292,6 @@ MUTANTS: list[Mutant] = [
         "return x1 * cos - x2 * sin, x2 * cos + x1 * sin",
         "return x1 * cos + x2 * sin, x2 * cos - x1 * sin",
         ("tests/ops/test_rope_kv.py::test_qk_norm_rope_kv_write",),
-    ),
-    Mutant(
-        "triton-sampler-temperature-squared",
-        SAMP,
-        "temp = float(max(temperature, 1e-6))",
-        "temp = float(max(temperature * temperature, 1e-6))",
-        ("tests/ops/test_sampling.py::test_sample_inverse_cdf_is_exact_on_a_stratified_grid",),
-    ),
-    Mutant(
-        "triton-sampler-argmax",
-        SAMP,
-        "u = torch.rand((T, ROUNDS), generator=generator, device=gdev)",
-        "u = torch.zeros((T, ROUNDS), device=gdev)",
-        ("tests/ops/test_sampling.py::test_sample_inverse_cdf_is_exact_on_a_stratified_grid",),
-    ),
-    Mutant(
-        "triton-sampler-top-p-inclusive",
-        SAMP,
-        "kept = keep_k & ((cum - wk) < top_p * z_k)",
-        "kept = keep_k & (cum < top_p * z_k)",
-        ("tests/ops/test_sampling.py::test_sample_inverse_cdf_is_exact_on_a_stratified_grid",),
-    ),
-    Mutant(
-        "triton-sampler-pick-shift",
-        SAMP,
-        "pick = tl.min(tl.where(kept & (c2 > target), pos, MK), axis=0)",
-        "pick = tl.min(tl.where(kept & (c2 >= target + wkept), pos, MK), axis=0)",
-        ("tests/ops/test_sampling.py::test_sample_inverse_cdf_is_exact_on_a_stratified_grid",),
     ),
     Mutant(
         "triton-norm-eps-after-sqrt",

@@ -13,12 +13,15 @@ and without.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.numerics import ATTN_SHAPES, DTYPES, TOL, close, filled_cache, poisoned_cache
 from tileinfer.core.kv_cache import PagedKVCache
+from tileinfer.ops import DEFAULT_SMS
 from tileinfer.ops import reference as R
 
 CACHES = ("bf16cache", "int8cache")
@@ -127,19 +130,24 @@ def test_attention_reads_every_position(target, cache, L, T, page):
 @pytest.mark.cases(
     "cache,L,programs", small=[("bf16cache", 700, 6), ("int8cache", 1000, 10)], targets=("triton-interpret",)
 )
-def test_decode_splits_of_unequal_length(target, monkeypatch, cache, L, programs):
+def test_decode_splits_of_unequal_length(target, cache, L, programs):
     """Triton's split-KV decode with fewer splits than key blocks (as past ~4k positions with the
-    shipped program count): 11 or 16 blocks of 64 keys over 3 or 5 splits, so splits hold several
-    blocks and the last one fewer. Catches a per-split block count rounded down (the last blocks
-    dropped) or a combine that merges only some splits; the small cases have one block per split."""
-    from tileinfer.ops.triton import paged_attention
+    shipped program count), its plan given ``programs`` programs: 11 or 16 blocks of 64 keys over 3
+    or 5 splits, so splits hold several blocks and the last one fewer. Catches a per-split block
+    count rounded down (the last blocks dropped) or a combine that merges only some splits; the
+    small cases have one block per split."""
+    from tileinfer.ops.triton import plan as P
 
-    monkeypatch.setitem(paged_attention._OVERRIDE, "programs", programs)
     dt, dev = torch.bfloat16, target.device
     _, layer, bt = filled_cache(L, 16, 2, 64, dt, cache == "int8cache", dev)
+    positions = bt.shape[0] * 16
+    plan = P.plan_decode_attention(3, 4, 2, positions, 64, int8=layer.int8, sms=DEFAULT_SMS)
+    plan = plan._replace(splits=P.num_splits(positions, 2, plan.tile.block_n, programs))
+    assert plan.splits < -(-positions // plan.tile.block_n)
     q = torch.randn(3, 8, 64, device=dev).to(dt)
     pos = torch.arange(L - 3, L, dtype=torch.int32, device=dev)
-    close(target.ops.attention(q, layer, bt, pos, 0.125), R.attention(q, layer, bt, pos, 0.125), TOL[dt])
+    got = target.ops.attention(q, layer, bt, pos, 0.125, plan=plan)
+    close(got, R.attention(q, layer, bt, pos, 0.125), TOL[dt])
 
 
 @pytest.mark.cases(
@@ -151,11 +159,11 @@ def test_decode_splits_of_unequal_length(target, monkeypatch, cache, L, programs
     ],
     targets=("cutile",),
 )
-def test_cutile_int8_decode_words_and_mma(target, monkeypatch, T, start, kvh, group, d, page):
-    """cuTile's split-KV decode over an INT8 cache read as int32 words (``DECODE_INT8_WORDS``: one
-    query row, head_dim 128) and through the mma path: both against the reference, and the flag
-    changes the result exactly where the word kernel applies."""
-    from tileinfer.ops.cutile import paged_attention
+def test_cutile_int8_decode_words_and_mma(target, T, start, kvh, group, d, page):
+    """cuTile's split-KV decode over an INT8 cache read as int32 words (``Tuning.decode_int8_words``:
+    one query row, head_dim 128) and through the mma path: both against the reference, and the
+    switch changes the result exactly where the word kernel applies."""
+    from tileinfer.ops.cutile import plan as P
 
     dt, dev = torch.bfloat16, target.device
     H, L = kvh * group, start + T
@@ -163,15 +171,17 @@ def test_cutile_int8_decode_words_and_mma(target, monkeypatch, T, start, kvh, gr
     q = torch.randn(T, H, d, device=dev).to(dt)
     pos = torch.arange(start, L, dtype=torch.int32, device=dev)
     want = R.attention(q, layer, bt, pos, d**-0.5)
-    tp, gp = paged_attention.decode_rows(T, group)
-    applies = paged_attention._int8_words(dt, T, tp * gp, d)  # with the flag as shipped (on)
+    planned = P.plan_decode_attention(T, group, kvh, bt.shape[0], d, int8=True, bf16=True, sms=DEFAULT_SMS)
+    applies = planned.int8_words  # with the switch as shipped (on)
     assert applies == (T == 1 and d == 128)
     got = {}
     for on in (True, False):
-        monkeypatch.setattr(paged_attention, "DECODE_INT8_WORDS", on)
-        got[on] = target.ops.attention(q, layer, bt, pos, d**-0.5)
-        close(got[on], want, TOL[dt], f"DECODE_INT8_WORDS={on}")
-    assert torch.equal(got[True], got[False]) != applies, "the flag did not switch exactly where it applies"
+        tuning = replace(target.ops.tuning, decode_int8_words=on)
+        got[on] = target.ops.attention(q, layer, bt, pos, d**-0.5, tuning=tuning)
+        close(got[on], want, TOL[dt], f"decode_int8_words={on}")
+    assert torch.equal(got[True], got[False]) != applies, (
+        "the switch did not change the kernel exactly where it applies"
+    )
 
 
 # ---------------------------------------------------------------------------- the reference itself
@@ -229,14 +239,14 @@ def test_cutile_decode_splits_fill_one_wave(kv_heads):
     """cuTile's split count: a power of two, the most (KV head, split) blocks that fit one block
     per SM (doubling it would not), capped by the pages (to a power of two) and MAX_SPLITS."""
     pytest.importorskip("cuda.tile")
-    from tileinfer.ops.cutile import paged_attention as A
-    from tileinfer.ops.cutile._common import NUM_SMS
+    from tileinfer.ops.cutile import plan as P
 
-    s = A.decode_splits(kv_heads, 1 << 20)
-    assert s & (s - 1) == 0 and 1 <= s <= A.MAX_SPLITS
-    assert kv_heads * s <= NUM_SMS or s == 1
-    assert kv_heads * 2 * s > NUM_SMS or s == A.MAX_SPLITS
-    for pages in (1, 3, 4, 5):
-        assert A.decode_splits(kv_heads, pages) == min(s, 1 << (pages - 1).bit_length())
+    for sms in (DEFAULT_SMS, 114, 108):
+        s = P.decode_splits(kv_heads, 1 << 20, sms)
+        assert s & (s - 1) == 0 and 1 <= s <= P.MAX_SPLITS
+        assert kv_heads * s <= sms or s == 1
+        assert kv_heads * 2 * s > sms or s == P.MAX_SPLITS
+        for pages in (1, 3, 4, 5):
+            assert P.decode_splits(kv_heads, pages, sms) == min(s, 1 << (pages - 1).bit_length())
     # another GPU's SM count moves the wave: 8 KV heads on 78 SMs fit 8 splits, on 170 still 16
-    assert A.decode_splits(8, 1 << 20, sms=78) == 8 and A.decode_splits(8, 1 << 20, sms=170) == 16
+    assert P.decode_splits(8, 1 << 20, sms=78) == 8 and P.decode_splits(8, 1 << 20, sms=170) == 16

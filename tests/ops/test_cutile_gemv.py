@@ -3,7 +3,8 @@
 INT8: ``gemv_int8_unit_kernel`` / ``gemv_swiglu_int8_unit_kernel`` turn each int8 weight into the
 float32 ``1 + (w + 128) * 2^-15`` by bit operations and remove the bias once per output. BF16:
 ``gemv_fma_kernel`` / ``gemv_swiglu_fma_kernel`` widen bf16 weights to float32 and accumulate
-elementwise products, for K >= FMA_MIN_K and the outputs the mma path would not split along K. CPU: the bit
+elementwise products, for K >= ``Tuning.fma_min_k`` and the outputs the mma path would not split along
+K. CPU: the bit
 identities the INT8 kernels rely on, checked for every byte value with the kernels' own integer
 expressions, and the routing (which products take which path) on meta tensors. GPU (cutile target
 only): linear with and without bias and swiglu at T == 1 against the reference, bf16, at Qwen3-4B/8B's
@@ -13,6 +14,8 @@ one fp16 case of each; tolerance 1e-2 relative in norm, as the other GPU GEMM te
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -58,13 +61,14 @@ def test_unit_float_of_every_byte():
     assert y.tolist() == (w.float() @ x).tolist() == [36.0, -516.0]
 
 
-def _recorded(op, x, w, *args) -> list[str]:
+def _recorded(op, x, w, *args, **keywords) -> list[str]:
     """Names of the cuTile kernels ``op`` launches on meta tensors (nothing runs)."""
     pytest.importorskip("cuda.tile")
-    from tileinfer.ops.cutile import _common, gemm
+    from benchmarks.aot.cutile import recording
+    from tileinfer.ops.cutile import gemm
 
-    with _common.recording() as launches:
-        getattr(gemm, op)(x, w, *args)
+    with recording() as launches:
+        getattr(gemm, op)(x, w, *args, **keywords)
     return [kernel._pyfunc.__name__ for kernel, _grid, _args in launches]
 
 
@@ -100,14 +104,15 @@ def test_routing():
         assert kernels and not any("unit" in k or "fma" in k for k in kernels), kernels
 
 
-def test_routing_bf16_fma(monkeypatch):
-    """T == 1 with a weight in x's dtype (bf16, fp16) and K >= FMA_MIN_K takes the FMA kernels
+def test_routing_bf16_fma():
+    """T == 1 with a weight in x's dtype (bf16, fp16) and K >= fma_min_k takes the FMA kernels
     where the mma path would keep the output unsplit (Qwen3-8B qkv 6144 and gate_up 2 x 12288
-    wide: >= MIN_BLOCKS 64-row blocks); the narrow o (4096 wide) only with FMA_SPLIT_SHAPES; never
-    a shorter K (Qwen3-4B's 2560), the float32 logits, float32 x, more rows, a forced plan
-    (PLAN_OVERRIDE), or with BF16_FMA off."""
+    wide: enough 64-row blocks on 132 SMs); the narrow o (4096 wide) only with fma_split_shapes;
+    never a shorter K (Qwen3-4B's 2560), the float32 logits, float32 x, more rows, a plan given
+    (an mma plan, as the op benchmark's plan sweep passes), or with bf16_fma off."""
     pytest.importorskip("cuda.tile")
-    from tileinfer.ops.cutile import gemm
+    from tileinfer.ops.cutile.plan import SkinnyPlan
+    from tileinfer.ops.cutile.tuning import TUNING
 
     bias = torch.empty(6144, dtype=torch.bfloat16, device="meta")
     assert _recorded("linear", x(1, 4096), w16(6144, 4096)) == ["gemv_fma_kernel"]
@@ -121,32 +126,14 @@ def test_routing_bf16_fma(monkeypatch):
         _recorded("lm_head", x(1, 4096), w16(151936, 4096)),
         _recorded("linear", x(2, 4096), w16(6144, 4096)),
     ]
-    monkeypatch.setattr(gemm, "FMA_SPLIT_SHAPES", True)
-    assert _recorded("linear", x(1, 4096), w16(4096, 4096)) == ["gemv_fma_kernel"]
-    monkeypatch.setattr(gemm, "FMA_MIN_K", 2560)
-    assert _recorded("linear", x(1, 2560), w16(6144, 2560)) == ["gemv_fma_kernel"]
-    monkeypatch.setattr(gemm, "PLAN_OVERRIDE", {"S": 1})  # a plan sweep times the mma kernels
-    others.append(_recorded("linear", x(1, 4096), w16(6144, 4096)))
-    monkeypatch.setattr(gemm, "PLAN_OVERRIDE", {})
-    monkeypatch.setattr(gemm, "BF16_FMA", False)
-    others.append(_recorded("swiglu", x(1, 4096), w16(2 * 12288, 4096)))
+    split_too = replace(TUNING, fma_split_shapes=True)
+    assert _recorded("linear", x(1, 4096), w16(4096, 4096), tuning=split_too) == ["gemv_fma_kernel"]
+    shorter = replace(split_too, fma_min_k=2560)
+    assert _recorded("linear", x(1, 2560), w16(6144, 2560), tuning=shorter) == ["gemv_fma_kernel"]
+    others.append(_recorded("linear", x(1, 4096), w16(6144, 4096), plan=SkinnyPlan("mma", 64, 128, 1)))
+    others.append(_recorded("swiglu", x(1, 4096), w16(2 * 12288, 4096), tuning=replace(TUNING, bf16_fma=False)))
     for kernels in others:
         assert kernels and not any("fma" in k for k in kernels), kernels
-
-
-def _spy_kernels(monkeypatch) -> list[str]:
-    """Names of the kernels the cuTile GEMM module launches from now on (launched as usual)."""
-    from tileinfer.ops.cutile import gemm
-
-    names: list[str] = []
-    real = gemm.launch
-
-    def spy(kernel, grid, args):
-        names.append(kernel._pyfunc.__name__)
-        real(kernel, grid, args)
-
-    monkeypatch.setattr(gemm, "launch", spy)
-    return names
 
 
 # the kernels a T == 1 product launches, per weight kind: (linear, swiglu)
@@ -162,27 +149,27 @@ GEMV_KERNELS = {
     model=[(wt, m, p, "bf16") for wt in GEMV_KERNELS for m, p in GPU_SHAPES]
     + [("int8", "qwen3-4b-random", "qkv", "f16"), ("bf16", "qwen3-4b-random", "gate_up", "f16")],
 )
-def test_decode_gemv(target, monkeypatch, weight, model, proj, dt):
+def test_decode_gemv(target, weight, model, proj, dt):
     """Each projection through the unit-float INT8 kernels, or (a weight in x's dtype) the FMA
-    kernels, which here take every shape (FMA_SPLIT_SHAPES on and FMA_MIN_K 0: o, down and the
-    shorter K of 4B and 0.5B too)."""
-    from tileinfer.ops.cutile import gemm
+    kernels, which here take every shape (a tuning with fma_split_shapes on and fma_min_k 0: o, down
+    and the shorter K of 4B and 0.5B too)."""
+    from benchmarks.aot.cutile import recording
 
-    monkeypatch.setattr(gemm, "FMA_SPLIT_SHAPES", True)
-    monkeypatch.setattr(gemm, "FMA_MIN_K", 0)
+    every_shape = replace(target.ops.tuning, fma_split_shapes=True, fma_min_k=0)
     n, k, has_bias = GPU_SHAPES[model, proj]
     dt = {"bf16": torch.bfloat16, "f16": torch.float16}[dt]
     linear, swiglu = GEMV_KERNELS[weight]
-    launched = _spy_kernels(monkeypatch)
     x = torch.randn(1, k, device="cuda").to(dt)
     w = (torch.randn(n, k, device="cuda") * k**-0.5).to(dt)
     if weight == "int8":
         w = q8(w)
-    if proj == "gate_up":
-        close(target.ops.swiglu(x, w), R.swiglu(x, w), 1e-2, f"{model} swiglu {n}x{k}")
-        assert launched == [swiglu]
-        return
-    close(target.ops.linear(x, w), R.linear(x, w), 1e-2, f"{model} {proj} {n}x{k}")
-    b = torch.randn(n, device="cuda").to(dt)
-    close(target.ops.linear(x, w, b), R.linear(x, w, b), 1e-2, f"{model} {proj} {n}x{k} + bias")
-    assert launched == [linear] * 2
+    with recording(run=True) as launches:
+        if proj == "gate_up":
+            close(target.ops.swiglu(x, w, tuning=every_shape), R.swiglu(x, w), 1e-2, f"{model} swiglu {n}x{k}")
+        else:
+            close(target.ops.linear(x, w, tuning=every_shape), R.linear(x, w), 1e-2, f"{model} {proj} {n}x{k}")
+            b = torch.randn(n, device="cuda").to(dt)
+            got = target.ops.linear(x, w, b, tuning=every_shape)
+            close(got, R.linear(x, w, b), 1e-2, f"{model} {proj} {n}x{k} + bias")
+    launched = [kernel._pyfunc.__name__ for kernel, _grid, _args in launches]
+    assert launched == ([swiglu] if proj == "gate_up" else [linear] * 2)

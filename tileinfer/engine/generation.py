@@ -8,6 +8,7 @@ import torch
 
 from tileinfer.core.progress import progress_bar
 from tileinfer.engine.runner import ModelRunner
+from tileinfer.ops import reference
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,10 @@ def generate(
 ) -> Reply:
     """Prefill ``prompt`` in a new sequence, then decode until a stop id or ``max_new_tokens``.
 
-    The sequence's pages are released at the end. Raises UserError (from the runner) when prompt
-    plus reply would exceed the runner's context.
+    Greedy decoding takes the backend's argmax (inside the captured decode graph where the runner
+    has one); sampled decoding draws with the reference sampler (``reference.sample``) on the
+    logits' device. The sequence's pages are released at the end. Raises UserError (from the
+    runner) when prompt plus reply would exceed the runner's context.
     """
     ops = runner.ops
     gen = None
@@ -54,7 +57,7 @@ def generate(
     def choose(logits: torch.Tensor) -> int:
         if sampling.temperature <= 0:
             return int(ops.argmax(logits[None])[0])
-        return int(ops.sample(logits[None], sampling.temperature, sampling.top_k, sampling.top_p, gen)[0])
+        return int(reference.sample(logits[None], sampling.temperature, sampling.top_k, sampling.top_p, gen)[0])
 
     seq = runner.new_sequence()
     try:

@@ -27,7 +27,6 @@ OPS = (
     "qk_norm_rope_kv_write",
     "attention",
     "argmax",
-    "sample",
 )
 
 _log = logging.getLogger("tileinfer.ops")
@@ -90,7 +89,7 @@ class Backend:
 
     def with_tuning(self, **changes) -> Backend:
         """A new instance of this backend whose tuning has ``changes`` (fields of its tuning class,
-        e.g. ``sms=132``); its own workspace and fallback record.
+        e.g. ``sms=DEFAULT_SMS``); its own workspace and fallback record.
 
         Raises:
             ValueError: the backend has no tuning (the reference).

@@ -12,16 +12,18 @@ is stored). Three epilogues share the kernels:
 - logits (lm_head): float32 output, no rounding.
 
 Decode steps are memory-bound: each weight byte is read once. Rows are padded to 16 for the
-tensor cores (TileInfer.jl measured 8x slower products below 16 rows: the small-matrix path
-spills). When the output is too narrow to give about one block per SM, the reduction axis is
-split (split-K) into a float32 workspace that a second small kernel sums and finishes. The
-skinny kernels start streaming their first weight tile before the PDL wait (see _common.py).
+tensor cores (TileInfer.jl's lesson: below 16 rows the small-matrix path spills and is far slower).
+When the output is too narrow to give about one block per SM, the reduction axis is split (split-K)
+into a float32 workspace that a second small kernel sums and finishes. The skinny kernels start
+streaming their first weight tile before the PDL wait (see _common.py).
 
 Decode (T == 1) with an INT8 weight and bf16/fp16 activations takes neither path: a float32 FMA
 GEMV over int32 words of the weight whose bytes become floats by bit operations
-(:func:`gemv_int8_unit_kernel`, :func:`gemv_swiglu_int8_unit_kernel`): no bf16 conversion, no mma.
-Prefill from ``INT8_WIDEN_ROWS`` rows widens an INT8 weight once (:func:`widen_kernel`) and runs the
-tiled GEMM on the exact copy, as the Triton backend does.
+(:func:`gemv_int8_unit_kernel`, :func:`gemv_swiglu_int8_unit_kernel`): no bf16 conversion, no mma;
+one bf16/fp16 row against a long enough weight in its dtype may take the float32-FMA GEMV
+(:func:`gemv_fma_kernel`). Prefill from ``Tuning.int8_widen_rows`` rows widens an INT8 weight once
+(:func:`widen_kernel`) and runs the tiled GEMM on the exact copy, as the Triton backend does.
+Which kernels and tiles a call takes is planned by :mod:`.plan` from a :class:`~.tuning.Tuning`.
 """
 
 from __future__ import annotations
@@ -29,31 +31,11 @@ from __future__ import annotations
 import cuda.tile as ct
 import torch
 
-from tileinfer.ops import Int8Weight, Unsupported
-from tileinfer.ops.cutile._common import ZERO, ConstBool, ConstInt, cdiv, dummy, launch, pdl_prologue, workspace
+from tileinfer.ops import Int8Weight, Unsupported, Workspace, sm_count
+from tileinfer.ops.cutile._common import ZERO, ConstBool, ConstInt, cdiv, dummy, launch, pdl_prologue, scratch
+from tileinfer.ops.cutile.plan import SKINNY_ROWS, GemmPlan, SkinnyPlan, plan_gemm, plan_skinny
+from tileinfer.ops.cutile.tuning import TUNING, Tuning
 
-SKINNY_ROWS = 16  # decode / verify steps up to this many rows use the skinny kernels
-SKINNY_TN = 64  # output channels per skinny block (the HGMMA M; 64 is its minimum)
-SPLIT_K = True  # allow split-K for narrow skinny products (bench toggles it)
-MAX_SPLIT = 16
-MIN_K_TILES = 2  # each split reduces at least this many K tiles
-MIN_BLOCKS = 90  # split K until the grid has ~2/3 of the H200's 132 SMs busy (measured)
-PLAN_OVERRIDE: dict = {}  # bench: force TN / TK / S
-INT8_UNIT = True  # T == 1 INT8 linear/swiglu through the unit-float FMA GEMV (False: the mma path, for A/B runs)
-UNIT_TN = 16  # output channels per unit-float GEMV block (H200 A/B: 16 beat 8 by 11-15% whole-model)
-UNIT_TKW = 256  # int32 words (4 weights each) per unit-float GEMV tile (H200 A/B: 128 and 512 were slower)
-BF16_FMA = True  # T == 1 bf16/fp16 linear/swiglu through the float32-FMA GEMV (False: the mma path, for A/B runs)
-FMA_SPLIT_SHAPES = False  # also the shapes the mma path splits along K (narrow outputs: o, down)
-FMA_TN = 8  # output channels per FMA GEMV block (many small blocks, as the Triton GEMV)
-FMA_TK = 512  # weights of a row per FMA GEMV tile
-FMA_MIN_K = 4096  # shortest reduction that takes the FMA GEMV (a block's x load and reduction amortized)
-# From this many rows on, a prefill GEMM first widens its INT8 weight to an exact copy in x's dtype
-# (one pass, widen_kernel) and runs the tiled GEMM on it, the scales still in the epilogue: converting
-# in the GEMM's k-loop repeats the conversion in every 128-row block. The copy is made per call and
-# freed after it (nothing cached: the point of INT8 weights is their memory), so a prefill chunk of
-# 512 rows widens every weight it multiplies, and the peak memory of a chunk grows by one copy of the
-# largest weight (the lm_head when every row is scored). The Triton backend's INT8_DEQUANT_ROWS rule.
-INT8_WIDEN_ROWS = 512
 WIDEN_TILE = (64, 256)  # int8 rows x columns per widening block
 
 # ------------------------------------------------------------------------------------ helpers
@@ -117,8 +99,9 @@ def _silu_mul(g, u):
 # The weight tile is the A operand ([TN, TK], as stored) and the 16 padded activation rows the B
 # operand ([TK, 16], x loaded transposed): the product is [TN, 16], transposed in the epilogue.
 # With M = TN >= 64 this lowers to Hopper's warpgroup MMA (HGMMA) with no spills; the other way
-# round (x as A, M = 16) cuTile 1.7 emitted HMMA for TN >= 32 and neither HMMA nor HGMMA, with
-# ~1000 spilled words, for TN = 16 (SASS of the sm_90 cubins, see benchmarks/cutile-NOTES.md).
+# round (x as A, M = 16) cuTile 1.7 emitted HMMA for TN >= 32 and, for TN = 16, neither HMMA nor
+# HGMMA but heavy spills (SASS of the sm_90 cubins, benchmarks/cutile-NOTES.md, "linear / swiglu /
+# lm_head").
 
 
 def _skinny_acc(x, w, j, k0, k1, nk, TN, TK, INT8):
@@ -258,11 +241,11 @@ def gemv_reduce_kernel(
 # ~5e-5 of the row's largest output), negligible against bf16/fp16 rounding but not float32's:
 # float32 activations and float32 logits (lm_head) keep the exact mma path.
 #
-# SASS (sm_90, UNIT_TN = 8, UNIT_TKW = 256): per weight in the loop one FFMA, one LOP3
-# (``(u & 0xFF00) ^ 0x3F808000``), 3/4 of a shift, no I2F/F2F/PRMT; besides, 0.3-0.5 IMAD.MOV
-# (ptxas re-materializing the 0xFF00 mask) and x's unpack and sum: ~4.2 instructions a weight in
-# all for linear, ~3.6 for swiglu (its [2 * TN, TKW] tile shares each x value among more rows),
-# against ~6.1 and ~6.8 for the mma kernels' int8 tiles. cuTile 1.7 has no inline PTX, so the
+# SASS (sm_90): per weight in the loop one FFMA, one LOP3 (``(u & 0xFF00) ^ 0x3F808000``), 3/4 of
+# a shift, no I2F/F2F/PRMT; besides, ptxas re-materializes the 0xFF00 mask now and then, and x is
+# unpacked and summed: fewer instructions a weight than the mma kernels' int8 tiles, swiglu fewer
+# than linear (its [2 * TN, TKW] tile shares each x value among more rows); the counts are in
+# benchmarks/cutile-NOTES.md ("linear / swiglu / lm_head"). cuTile 1.7 has no inline PTX, so the
 # Triton kernel's one-PRMT-a-weight conversion is out of reach.
 
 
@@ -359,7 +342,7 @@ def gemv_swiglu_int8_unit_kernel(x, w, scale, out, TN: ConstInt, TKW: ConstInt):
 
 
 # BF16 decode GEMV without tensor cores (T == 1): the mma kernels above pad x to 16 rows and need
-# 64-row weight tiles (the HGMMA M), so a 4B gate_up has 152 blocks; here each block owns FMA_TN
+# 64-row weight tiles (the HGMMA M), so a 4B gate_up has 152 blocks; here each block owns Tuning.fma_tn
 # rows, converts its weight tile to float32 and accumulates ``w * x`` elementwise in a [TN, TK]
 # register tile, reduced once at the end (the Triton backend's ``_gemv_kernel`` design): thousands
 # of short blocks keep more loads in flight.
@@ -482,45 +465,7 @@ def widen_kernel(q, out, TR: ConstInt, TC: ConstInt):
     ct.store(out, (ct.bid(0), ct.bid(1)), ct.astype(t, out.dtype))
 
 
-# ------------------------------------------------------------------------------------ planning
-
-
-def skinny_plan(n_out: int, n_w: int, k: int, w_bytes: int, swiglu: bool = False) -> dict:
-    """Tiles of a skinny product: TN channels per block, TK of the reduction per load, S splits.
-
-    n_out: output channels (inter for swiglu); n_w: weight rows; k: reduction; w_bytes: 1 for
-    INT8 weights. A weight tile is 16 KB (64 x 128 bf16, 64 x 256 int8). S is the smallest power
-    of two that gives at least MIN_BLOCKS blocks (each split keeping >= MIN_K_TILES tiles of K).
-    Measured on the H200 (benchmarks/cutile-NOTES.md, sweep of TN x TK x S): about one block per SM is the sweet
-    spot; 40 blocks (Qwen3-4B down, S=1) ran 1.35x slower than S=4, and 384 blocks (4B qkv, S=4)
-    1.07x slower than its 96 unsplit ones. ``PLAN_OVERRIDE`` (bench) replaces any field.
-    """
-    tn = SKINNY_TN
-    tk = 128 if w_bytes >= 2 else 256
-    nk = cdiv(k, tk)
-    s = 1
-    if SPLIT_K and cdiv(n_out if swiglu else n_w, tn) < MIN_BLOCKS:
-        tiles = cdiv(n_w, tn)
-        s = 2
-        while s < MAX_SPLIT and tiles * s < MIN_BLOCKS and 2 * s * MIN_K_TILES <= nk:
-            s *= 2
-        if s * MIN_K_TILES > nk:
-            s = 1
-    plan = dict(TN=tn, TK=tk, S=s)
-    plan.update(PLAN_OVERRIDE)
-    return plan
-
-
-def gemm_plan(t: int, swiglu: bool) -> dict:
-    """Prefill GEMM tiles: 128x128x64 (64 wide per accumulator for swiglu, which holds two);
-    64-row tiles for short chunks so the grid has more blocks."""
-    return dict(TM=128 if t > 64 else 64, TN=64 if swiglu else 128, TK=64)
-
-
-def _weight(w):
-    if isinstance(w, Int8Weight):
-        return w.q, w.scale, True
-    return w, None, False
+# ------------------------------------------------------------------------------------ launch
 
 
 def _check_x(op: str, x: torch.Tensor, wq: torch.Tensor) -> None:
@@ -536,158 +481,186 @@ def _check_x(op: str, x: torch.Tensor, wq: torch.Tensor) -> None:
         raise ValueError(f"{op}: x has {x.shape[1]} features, the weight {wq.shape[1]} columns")
 
 
-def _half_row(x: torch.Tensor, logits: bool) -> bool:
-    """One row of bf16/fp16 activations, not the float32 logits: what both no-mma GEMVs take."""
-    return not logits and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+def _words(wq: torch.Tensor) -> bool:
+    """Whether an int8 weight views as int32 words: rows of a multiple of 4 bytes, unit column
+    stride, 4-byte aligned."""
+    return wq.shape[1] % 4 == 0 and wq.stride(1) == 1 and wq.stride(0) % 4 == 0 and wq.storage_offset() % 4 == 0
 
 
-def _unit_ok(x: torch.Tensor, wq: torch.Tensor, int8: bool, logits: bool) -> bool:
-    """Whether a product takes the unit-float INT8 GEMV: one row, an INT8 weight, bf16/fp16
-    activations and output (float32 ones keep the exact mma path: the unit form keeps ~15 bits of
-    each weight's product), and a weight that views as int32 words (rows of a multiple of 4
-    bytes, unit column stride, 4-byte aligned)."""
-    return (
-        INT8_UNIT
-        and int8
-        and _half_row(x, logits)
-        and wq.shape[1] % 4 == 0
-        and wq.stride(1) == 1
-        and wq.stride(0) % 4 == 0
-        and wq.storage_offset() % 4 == 0
+def _plan(x: torch.Tensor, wq: torch.Tensor, int8: bool, n_out: int, swiglu: bool, logits: bool, tuning: Tuning):
+    """The planned launch (:func:`plan_skinny` up to SKINNY_ROWS rows, else :func:`plan_gemm`)."""
+    T = x.shape[0]
+    if T > SKINNY_ROWS:
+        return plan_gemm(T, int8=int8, swiglu=swiglu, tuning=tuning)
+    return plan_skinny(
+        T,
+        n_out,
+        wq.shape[0],
+        x.shape[1],
+        int8=int8,
+        swiglu=swiglu,
+        half_row=not logits and T == 1 and x.dtype in (torch.bfloat16, torch.float16),
+        words=int8 and _words(wq),
+        w_like_x=wq.dtype == x.dtype and wq.stride(1) == 1,
+        w_bytes=wq.element_size(),
+        sms=tuning.sms or sm_count(x.device),
+        tuning=tuning,
     )
 
 
-def _run_unit(x: torch.Tensor, wq: torch.Tensor, scale, b, has_bias: bool, out: torch.Tensor, swiglu: bool):
-    """Launch the unit-float INT8 GEMV (see :func:`_unit_ok`): the int8 weight [N, K] as int32
-    words [N, K / 4] ([2, inter, K / 4] for swiglu); one block per UNIT_TN output channels."""
+def _run_unit(x, wq: torch.Tensor, scale, b, has_bias: bool, out: torch.Tensor, swiglu: bool, p: SkinnyPlan):
+    """The unit-float INT8 GEMV: the int8 weight [N, K] as int32 words [N, K / 4] ([2, inter, K / 4]
+    for swiglu); one block per ``p.tn`` output channels."""
     w32 = wq.view(torch.int32)
-    grid = (cdiv(out.shape[1], UNIT_TN), 1, 1)
+    grid = (cdiv(out.shape[1], p.tn), 1, 1)
     if swiglu:
         w32 = w32.view(2, out.shape[1], w32.shape[1])
-        launch(gemv_swiglu_int8_unit_kernel, grid, (x, w32, scale, out, UNIT_TN, UNIT_TKW))
+        launch(gemv_swiglu_int8_unit_kernel, grid, (x, w32, scale, out, p.tn, p.tk))
     else:
-        launch(gemv_int8_unit_kernel, grid, (x, w32, scale, b, out, UNIT_TN, UNIT_TKW, has_bias))
-    return out
+        launch(gemv_int8_unit_kernel, grid, (x, w32, scale, b, out, p.tn, p.tk, has_bias))
 
 
-def _fma_ok(x: torch.Tensor, wq: torch.Tensor, int8: bool, logits: bool, splits: int) -> bool:
-    """Whether a product takes the float32-FMA BF16 GEMV: one row, a weight in x's dtype (bf16 or
-    fp16) with unit column stride, K >= FMA_MIN_K, not the float32 logits; and, unless
-    FMA_SPLIT_SHAPES, an output the mma path's plan does not split along K (``splits`` == 1).
-    Never while PLAN_OVERRIDE is set: a plan sweep (bench.ops) times the mma path's plans."""
-    if PLAN_OVERRIDE or not BF16_FMA or int8 or not _half_row(x, logits):
-        return False
-    if wq.dtype != x.dtype or wq.stride(1) != 1 or x.shape[1] < FMA_MIN_K:
-        return False
-    return FMA_SPLIT_SHAPES or splits == 1
-
-
-def _run_fma(x: torch.Tensor, wq: torch.Tensor, b, has_bias: bool, out: torch.Tensor, swiglu: bool):
-    """Launch the float32-FMA BF16 GEMV (see :func:`_fma_ok`); one block per FMA_TN output channels."""
-    grid = (cdiv(out.shape[1], FMA_TN), 1, 1)
-    if swiglu:  # half the K tile: its [2 * TN, TK / 2] registers match the linear kernel's (a full one spills)
-        launch(gemv_swiglu_fma_kernel, grid, (x, wq.unflatten(0, (2, out.shape[1])), out, FMA_TN, FMA_TK // 2))
+def _run_fma(x, wq: torch.Tensor, b, has_bias: bool, out: torch.Tensor, swiglu: bool, p: SkinnyPlan):
+    """The float32-FMA GEMV; one block per ``p.tn`` output channels (swiglu: a half-width K tile,
+    whose [2 * TN, TK / 2] registers match the linear kernel's; a full one spills)."""
+    grid = (cdiv(out.shape[1], p.tn), 1, 1)
+    if swiglu:
+        launch(gemv_swiglu_fma_kernel, grid, (x, wq.unflatten(0, (2, out.shape[1])), out, p.tn, p.tk))
     else:
-        launch(gemv_fma_kernel, grid, (x, wq, b, out, FMA_TN, FMA_TK, has_bias))
-    return out
+        launch(gemv_fma_kernel, grid, (x, wq, b, out, p.tn, p.tk, has_bias))
+
+
+def _run_mma(x, wq, int8, sc, b, has_bias, logits, out, swiglu, p: SkinnyPlan, workspace: Workspace | None):
+    """The tensor-core skinny product: one pass, or ``p.splits`` K slices into a float32 scratch
+    [S, T, n_w] that a second kernel sums and finishes."""
+    n_out, tn, tk, s = out.shape[1], p.tn, p.tk, p.splits
+    if s > 1:
+        ws = scratch(workspace, "splitk", (s, x.shape[0], wq.shape[0]), torch.float32, x.device)
+        launch(gemv_partial_kernel, (cdiv(wq.shape[0], tn), s, 1), (x, wq, ws, tn, tk, int8))
+        launch(gemv_reduce_kernel, (cdiv(n_out, tn), 1, 1), (ws, sc, b, out, s, tn, int8, has_bias, logits, swiglu))
+    elif swiglu:
+        launch(gemv_swiglu_kernel, (cdiv(n_out, tn), 1, 1), (x, wq, sc, out, tn, tk, int8))
+    else:
+        launch(gemv_kernel, (cdiv(n_out, tn), 1, 1), (x, wq, sc, b, out, tn, tk, int8, has_bias, logits))
 
 
 def _widen(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An int8 weight [N, K] (any strides) as a new [N, K] tensor of ``dtype`` holding the same
     integers, one pass (:func:`widen_kernel`): 1 byte read and 2 (bf16/fp16) or 4 (float32) written
-    a weight."""
+    a weight. Made per call and freed after it (nothing cached: the point of INT8 weights is their
+    memory), so a prefill chunk's peak memory grows by one copy of the largest weight it multiplies
+    (the lm_head when every row is scored)."""
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     tr, tc = WIDEN_TILE
     launch(widen_kernel, (cdiv(q.shape[0], tr), cdiv(q.shape[1], tc), 1), (q, out, tr, tc))
     return out
 
 
-def _run(x: torch.Tensor, w, bias: torch.Tensor | None, out: torch.Tensor, swiglu: bool, logits: bool) -> torch.Tensor:
-    wq, scale, int8 = _weight(w)
-    T, K = x.shape
-    if T == 0:
-        return out
-    dev = x.device
-    sc = scale if int8 else dummy(dev)
-    b = bias if bias is not None else dummy(dev)
-    n_out = out.shape[1]
-    if _unit_ok(x, wq, int8, logits):
-        return _run_unit(x, wq, sc, b, bias is not None, out, swiglu)
-    if T <= SKINNY_ROWS:
-        p = skinny_plan(n_out, wq.shape[0], K, wq.element_size(), swiglu)
-        tn, tk, s = p["TN"], p["TK"], p["S"]
-        if _fma_ok(x, wq, int8, logits, s):
-            return _run_fma(x, wq, b, bias is not None, out, swiglu)
-        if s > 1:
-            ws = workspace("splitk", (s, T, wq.shape[0]), torch.float32, dev)
-            launch(gemv_partial_kernel, (cdiv(wq.shape[0], tn), s, 1), (x, wq, ws, tn, tk, int8))
-            launch(
-                gemv_reduce_kernel,
-                (cdiv(n_out, tn), 1, 1),
-                (ws, sc, b, out, s, tn, int8, bias is not None, logits, swiglu),
-            )
-        elif swiglu:
-            launch(gemv_swiglu_kernel, (cdiv(n_out, tn), 1, 1), (x, wq, sc, out, tn, tk, int8))
-        else:
-            launch(gemv_kernel, (cdiv(n_out, tn), 1, 1), (x, wq, sc, b, out, tn, tk, int8, bias is not None, logits))
-        return out
-    if int8 and T >= INT8_WIDEN_ROWS:
+def _run_gemm(x, wq, int8, sc, b, has_bias, logits, out, swiglu, p: GemmPlan):
+    if p.widen:
         wq = _widen(wq, x.dtype)  # INT8 stays set: the copy holds the codes, the epilogue scales
-    p = gemm_plan(T, swiglu)
-    grid = (cdiv(T, p["TM"]), cdiv(n_out, p["TN"]), 1)
+    grid = (cdiv(x.shape[0], p.tm), cdiv(out.shape[1], p.tn), 1)
     if swiglu:
-        launch(gemm_swiglu_kernel, grid, (x, wq, sc, out, p["TM"], p["TN"], p["TK"], int8))
+        launch(gemm_swiglu_kernel, grid, (x, wq, sc, out, p.tm, p.tn, p.tk, int8))
     else:
-        launch(gemm_kernel, grid, (x, wq, sc, b, out, p["TM"], p["TN"], p["TK"], int8, bias is not None, logits))
+        launch(gemm_kernel, grid, (x, wq, sc, b, out, p.tm, p.tn, p.tk, int8, has_bias, logits))
+
+
+def _run(x, w, bias, out, swiglu: bool, logits: bool, plan, tuning: Tuning, workspace) -> torch.Tensor:
+    """Plan (unless ``plan`` is given) and launch ``x @ w.T`` into ``out``.
+
+    Raises:
+        TypeError: ``plan`` is not a SkinnyPlan (1 to 16 rows) or a GemmPlan (more).
+    """
+    int8 = isinstance(w, Int8Weight)
+    wq, scale = (w.q, w.scale) if int8 else (w, None)
+    if x.shape[0] == 0:
+        return out
+    want = SkinnyPlan if x.shape[0] <= SKINNY_ROWS else GemmPlan
+    if plan is None:
+        plan = _plan(x, wq, int8, out.shape[1], swiglu, logits, tuning)
+    elif not isinstance(plan, want):
+        raise TypeError(f"{x.shape[0]} rows take a {want.__name__}, not {plan!r}")
+    sc = scale if int8 else dummy(workspace, x.device)
+    b = bias if bias is not None else dummy(workspace, x.device)
+    has_bias = bias is not None
+    if isinstance(plan, GemmPlan):
+        _run_gemm(x, wq, int8, sc, b, has_bias, logits, out, swiglu, plan)
+    elif plan.kernel == "unit":
+        _run_unit(x, wq, sc, b, has_bias, out, swiglu, plan)
+    elif plan.kernel == "fma":
+        _run_fma(x, wq, b, has_bias, out, swiglu, plan)
+    else:
+        _run_mma(x, wq, int8, sc, b, has_bias, logits, out, swiglu, plan, workspace)
     return out
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    w,
+    bias: torch.Tensor | None = None,
+    *,
+    plan: SkinnyPlan | GemmPlan | None = None,
+    tuning: Tuning = TUNING,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
     """``x @ w.T + bias``: x [T, in] -> [T, out] in x's dtype.
 
     w: [out, in] in x's dtype, or an Int8Weight (int8 [out, in] + float32 scale [out], the scale
-    applied in the epilogue). bias: [out] or None. T <= 16 runs the skinny (GEMV) kernels (T == 1
-    with an INT8 weight and bf16/fp16 x: the unit-float GEMV, ``gemv_int8_unit_kernel``), larger
-    T the tiled GEMM (an INT8 weight widened to x's dtype first from ``INT8_WIDEN_ROWS`` rows).
+    applied in the epilogue). bias: [out] or None. T <= 16 runs the skinny kernels (T == 1 with an
+    INT8 weight and bf16/fp16 x: the unit-float GEMV, ``gemv_int8_unit_kernel``), larger T the tiled
+    GEMM (an INT8 weight widened to x's dtype first from ``tuning.int8_widen_rows`` rows). ``plan``
+    replaces the planned launch (a SkinnyPlan for T <= 16, else a GemmPlan; it must suit the
+    inputs: "unit" an INT8 weight in int32 words and one bf16/fp16 row, "fma" one such row and a
+    weight in its dtype); ``tuning`` holds the switches and the SM count the plan uses;
+    ``workspace`` keeps split-K partials between calls (None: new ones).
 
     Raises:
         Unsupported: x is not 2-D.
         ValueError: x's features differ from the weight's columns.
+        TypeError: a ``plan`` of the other kind.
     """
     wq = w.q if isinstance(w, Int8Weight) else w
     _check_x("linear", x, wq)
     out = torch.empty(x.shape[0], wq.shape[0], dtype=x.dtype, device=x.device)
-    return _run(x, w, bias, out, swiglu=False, logits=False)
+    return _run(x, w, bias, out, False, False, plan, tuning, workspace)
 
 
-def swiglu(x: torch.Tensor, w_gate_up) -> torch.Tensor:
+def swiglu(
+    x: torch.Tensor,
+    w_gate_up,
+    *,
+    plan: SkinnyPlan | GemmPlan | None = None,
+    tuning: Tuning = TUNING,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
     """SwiGLU MLP input: ``silu(x @ Wg.T) * (x @ Wu.T)`` with SiLU-and-multiply in the epilogue.
 
     x: [T, hidden]; w_gate_up: [2 * inter, hidden] (gate rows first) or an Int8Weight of that
     shape. Returns [T, inter] in x's dtype. T == 1 with an INT8 weight and bf16/fp16 x runs the
-    unit-float GEMV (``gemv_swiglu_int8_unit_kernel``).
-
-    Raises:
-        Unsupported: x is not 2-D.
-        ValueError: x's features differ from the weight's columns.
+    unit-float GEMV (``gemv_swiglu_int8_unit_kernel``). Keywords and errors as :func:`linear`.
     """
     wq = w_gate_up.q if isinstance(w_gate_up, Int8Weight) else w_gate_up
     _check_x("swiglu", x, wq)
     out = torch.empty(x.shape[0], wq.shape[0] // 2, dtype=x.dtype, device=x.device)
-    return _run(x, w_gate_up, None, out, swiglu=True, logits=False)
+    return _run(x, w_gate_up, None, out, True, False, plan, tuning, workspace)
 
 
-def lm_head(x: torch.Tensor, w) -> torch.Tensor:
+def lm_head(
+    x: torch.Tensor,
+    w,
+    *,
+    plan: SkinnyPlan | GemmPlan | None = None,
+    tuning: Tuning = TUNING,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
     """Logits in float32: x [T, hidden] @ w.T -> [T, vocab] float32, accumulated in float32.
 
     w: [vocab, hidden] (model dtype or float32) or an Int8Weight. BF16 products are exact in
-    float32, so only the summation order differs from the reference's float32 matmul.
-
-    Raises:
-        Unsupported: x is not 2-D.
-        ValueError: x's features differ from the weight's columns.
+    float32, so only the summation order differs from the reference's float32 matmul. Keywords and
+    errors as :func:`linear`.
     """
     wq = w.q if isinstance(w, Int8Weight) else w
     _check_x("lm_head", x, wq)
     out = torch.empty(x.shape[0], wq.shape[0], dtype=torch.float32, device=x.device)
-    return _run(x, w, None, out, swiglu=False, logits=True)
+    return _run(x, w, None, out, False, True, plan, tuning, workspace)

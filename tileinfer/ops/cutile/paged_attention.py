@@ -22,16 +22,16 @@ query dtype in registers for the tensor cores; bf16 decode reads them as int32 w
 
 from __future__ import annotations
 
+import functools
 import math
 
 import cuda.tile as ct
 import torch
 
 from tileinfer.core.kv_cache import KVLayer
-from tileinfer.ops import Unsupported, sm_count
+from tileinfer.ops import Unsupported, Workspace, sm_count
 from tileinfer.ops.cutile._common import (
     LOG2E,
-    NUM_SMS,
     ZERO,
     ConstBool,
     ConstInt,
@@ -39,17 +39,18 @@ from tileinfer.ops.cutile._common import (
     dummy,
     is_pow2,
     launch,
-    next_pow2,
     pdl_prologue,
-    workspace,
+    scratch,
 )
+from tileinfer.ops.cutile.plan import (
+    DECODE_ROWS,
+    DecodePlan,
+    PrefillPlan,
+    plan_decode_attention,
+    plan_prefill_attention,
+)
+from tileinfer.ops.cutile.tuning import TUNING, Tuning
 
-DECODE_ROWS = 16  # T <= this: split-KV decode kernels; larger T: prefill kernel
-PREFILL_TM = 128  # query rows per prefill block
-MAX_SPLITS = 128
-# INT8 decode through decode_split_int8_kernel where it applies (see _int8_words); False: the
-# conversion path, for A/B runs (benchmarks/decode_ab.py --variant).
-DECODE_INT8_WORDS = True
 _BIG = 1 << 30
 _NEG_INF = -math.inf
 
@@ -91,8 +92,8 @@ def _attend_page(qt, kc, vc, ks, vs, page, h, pi, qpos, L, pmin, m_i, l_i, acc, 
     return m_new, l_i, acc
 
 
-# 128 query rows and 8 worker warps: 168 registers, no spills (SASS), 1.32x the 64-row tiles at 2
-# blocks/SM in run 3 (benchmarks/cutile-NOTES.md)
+# 128 query rows and 8 worker warps: no spills (SASS), and faster than 64-row tiles at two blocks
+# per SM (benchmarks/cutile-NOTES.md, "attention")
 @ct.kernel(num_worker_warps=8)
 def prefill_attention_kernel(
     q, kc, vc, ks, vs, bt, pos, out, scale2: float, TM: ConstInt, D: ConstInt, PS: ConstInt, INT8: ConstBool
@@ -298,38 +299,6 @@ def decode_combine_kernel(o_part, m_part, l_part, out, SP: ConstInt, D: ConstInt
     ct.store(out, (t, hq, 0), ct.reshape(ct.astype(num / den, out.dtype), (1, 1, D)))
 
 
-def decode_splits(kv_heads: int, max_pages: int, sms: int = NUM_SMS) -> int:
-    """Context splits per KV head, from shapes and the SM count ``sms`` only: the largest power of
-    two whose blocks (kv_heads x splits) fit in one wave of one block per SM, and no more than the
-    pages rounded up to a power of two.
-
-    H200, whole-model A/B (benchmarks/results/h200-2026-12-03-cutile-attn-splits.md): for 8 KV
-    heads 16 splits beat 32 at 1k and 32 and 64 at 32k (more waves of blocks), and 8 (fewer pages in
-    flight). Other KV head counts follow the rule unmeasured.
-    """
-    one_wave = 1 << (max(1, sms // kv_heads).bit_length() - 1)
-    return max(1, min(one_wave, next_pow2(max_pages), MAX_SPLITS))
-
-
-def decode_rows(T: int, group: int) -> tuple[int, int]:
-    """(TP, GP): query rows and group heads per tile, padded so TP * GP >= 16 (tensor cores)."""
-    gp = next_pow2(group)
-    tp = next_pow2(T)
-    if tp * gp < 16:
-        tp = 16 // gp
-    return tp, gp
-
-
-def _int8_words(dtype: torch.dtype, T: int, rows: int, D: int) -> bool:
-    """Whether decode over an INT8 cache takes :func:`decode_split_int8_kernel`: bf16 queries (the
-    dtype it was measured and tested with; float32 would round to tf32), T = 1 with a GQA group of at
-    most 16 heads (``rows``: the padded tile TP * GP <= 16), and head_dim 128. Outside these its sm_90
-    build spills (``python -m benchmarks.aot --backend cutile --sass --filter decode_split``:
-    344-392 bytes of stack for head_dim 64, or for T > 1, whose size is then not a compile-time
-    constant), and the mma path takes them."""
-    return DECODE_INT8_WORDS and dtype == torch.bfloat16 and T == 1 and rows <= 16 and D == 128
-
-
 def _unsupported(D: int, PS: int, block_table: torch.Tensor, positions: torch.Tensor) -> str | None:
     """Why the kernels cannot take these inputs, or None: their tiles need power-of-two head and
     page sizes of at least 16, and they read int32 block tables and positions."""
@@ -342,20 +311,38 @@ def _unsupported(D: int, PS: int, block_table: torch.Tensor, positions: torch.Te
     return None
 
 
+@functools.cache
+def _prefill_kernel(hints: tuple[tuple[str, int | None], ...]):
+    """The prefill kernel with ``hints`` in place of its own compiler hints (none: as it is)."""
+    return prefill_attention_kernel.replace_hints(**dict(hints)) if hints else prefill_attention_kernel
+
+
 def attention(
-    q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positions: torch.Tensor, sm_scale: float
+    q: torch.Tensor,
+    layer: KVLayer,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    sm_scale: float,
+    *,
+    plan: DecodePlan | PrefillPlan | None = None,
+    tuning: Tuning = TUNING,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Causal paged attention with GQA for queries at ``positions`` over the cached sequence.
 
     q: [T, heads, d] (rotated; the keys/values of these positions already written); layer: KV
     cache layer [num_pages, kv_heads, page_size, d] (bf16/float32, or int8 + float32 scales
     [num_pages, kv_heads, page_size]); block_table: int32 [max_pages]; positions: int32 [T] on the
-    device. Returns [T, heads, d] in q's dtype. T <= 16: split-KV decode + combine (two launches);
-    larger T: the prefill kernel (one launch).
+    device. Returns [T, heads, d] in q's dtype. T <= 16: split-KV decode + combine (two launches,
+    :func:`~.plan.plan_decode_attention`); larger T: the prefill kernel (one launch,
+    :func:`~.plan.plan_prefill_attention`). ``plan`` replaces the planned launch (a DecodePlan for
+    T <= 16, else a PrefillPlan); ``tuning`` holds the switches and the SM count the plans use;
+    ``workspace`` keeps the split partials between calls (None: new ones).
 
     Raises:
         ValueError: heads not a multiple of the KV heads (no GQA grouping; the reference rejects it too).
         Unsupported: other inputs (see :func:`_unsupported`).
+        TypeError: a ``plan`` of the other kind.
     """
     T, H, D = q.shape
     KVH, PS = layer.k.shape[1], layer.page_size
@@ -367,29 +354,36 @@ def attention(
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
+    want = DecodePlan if T <= DECODE_ROWS else PrefillPlan
+    if plan is None and T <= DECODE_ROWS:
+        sms = tuning.sms or sm_count(q.device)
+        bf16 = q.dtype == torch.bfloat16
+        plan = plan_decode_attention(
+            T, H // KVH, KVH, block_table.shape[0], D, int8=layer.int8, bf16=bf16, sms=sms, tuning=tuning
+        )
+    elif plan is None:
+        plan = plan_prefill_attention(tuning)
+    elif not isinstance(plan, want):
+        raise TypeError(f"attention: {T} query rows take a {want.__name__}, not {plan!r}")
     int8 = layer.int8
-    ks = layer.k_scale if int8 else dummy(q.device)
-    vs = layer.v_scale if int8 else dummy(q.device)
+    ks = layer.k_scale if int8 else dummy(workspace, q.device)
+    vs = layer.v_scale if int8 else dummy(workspace, q.device)
     scale2 = float(sm_scale) * LOG2E
-    if T <= DECODE_ROWS:
-        tp, gp = decode_rows(T, H // KVH)
-        S = decode_splits(KVH, block_table.shape[0], sm_count(q.device))
-        o_part = workspace("attn_o", (S, T, H, D), torch.float32, q.device)
-        m_part = workspace("attn_m", (S, T, H), torch.float32, q.device)
-        l_part = workspace("attn_l", (S, T, H), torch.float32, q.device)
-        parts = (m_part, l_part, scale2, tp, gp)
-        if int8 and _int8_words(q.dtype, T, tp * gp, D):
-            kw, vw, o5 = layer.k.view(torch.int32), layer.v.view(torch.int32), o_part.view(S, T, H, D // 4, 4)
-            args = (q, kw, vw, ks, vs, block_table, positions, o5, *parts, D // 4, PS)
-            launch(decode_split_int8_kernel, (KVH, S, 1), args)
-        else:
-            args = (q, layer.k, layer.v, ks, vs, block_table, positions, o_part, *parts, D, PS, int8)
-            launch(decode_split_kernel, (KVH, S, 1), args)
-        launch(decode_combine_kernel, (T, H, 1), (o_part, m_part, l_part, out, S, D))
+    if isinstance(plan, PrefillPlan):
+        args = (q, layer.k, layer.v, ks, vs, block_table, positions, out, scale2, plan.rows, D, PS, int8)
+        launch(_prefill_kernel(plan.hints), (cdiv(T, plan.rows), H, 1), args)
         return out
-    launch(
-        prefill_attention_kernel,
-        (cdiv(T, PREFILL_TM), H, 1),
-        (q, layer.k, layer.v, ks, vs, block_table, positions, out, scale2, PREFILL_TM, D, PS, int8),
-    )
+    S = plan.splits
+    o_part = scratch(workspace, "attn_o", (S, T, H, D), torch.float32, q.device)
+    m_part = scratch(workspace, "attn_m", (S, T, H), torch.float32, q.device)
+    l_part = scratch(workspace, "attn_l", (S, T, H), torch.float32, q.device)
+    parts = (m_part, l_part, scale2, plan.tp, plan.gp)
+    if plan.int8_words:
+        kw, vw, o5 = layer.k.view(torch.int32), layer.v.view(torch.int32), o_part.view(S, T, H, D // 4, 4)
+        args = (q, kw, vw, ks, vs, block_table, positions, o5, *parts, D // 4, PS)
+        launch(decode_split_int8_kernel, (KVH, S, 1), args)
+    else:
+        args = (q, layer.k, layer.v, ks, vs, block_table, positions, o_part, *parts, D, PS, int8)
+        launch(decode_split_kernel, (KVH, S, 1), args)
+    launch(decode_combine_kernel, (T, H, 1), (o_part, m_part, l_part, out, S, D))
     return out

@@ -14,7 +14,7 @@ import cuda.tile as ct
 import torch
 
 from tileinfer.core.kv_cache import KVLayer
-from tileinfer.ops import Unsupported
+from tileinfer.ops import Unsupported, Workspace
 from tileinfer.ops.cutile._common import ZERO, ConstBool, ConstInt, dummy, is_pow2, launch, next_pow2, pdl_prologue
 
 # 1.5 * 2**23: adding and subtracting it rounds a float32 |x| < 2**22 to the nearest integer,
@@ -153,6 +153,8 @@ def qk_norm_rope_kv_write(
     layer: KVLayer,
     block_table: torch.Tensor,
     positions: torch.Tensor,
+    *,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Per-head q/k RMSNorm (when given) + RoPE + K/V page write, in one kernel launch.
 
@@ -161,7 +163,8 @@ def qk_norm_rope_kv_write(
     [max_positions, d/2]; layer: the KV cache layer (bf16/float32 or int8 + float32 scales);
     block_table: int32 [max_pages]; positions: int32 [T] on the device. Returns the rotated q
     [T, heads, d] in q's dtype. Rotate-half RoPE (Su et al., 2021); INT8 scales max|x|/127 per
-    vector with round-half-even, as ``reference.quantize_int8``.
+    vector with round-half-even, as ``reference.quantize_int8``. ``workspace`` holds the placeholder
+    scales of a BF16 cache between calls (None: new ones).
 
     Raises:
         Unsupported: a head_dim that is not a power of two >= 16, norm weights of other shapes, or
@@ -187,8 +190,8 @@ def qk_norm_rope_kv_write(
     if T == 0:
         return q_out
     int8 = layer.int8
-    ks = layer.k_scale if int8 else dummy(q.device)
-    vs = layer.v_scale if int8 else dummy(q.device)
+    ks = layer.k_scale if int8 else dummy(workspace, q.device)
+    vs = layer.v_scale if int8 else dummy(workspace, q.device)
     launch(
         qk_norm_rope_kv_kernel,
         (T, 1, 1),

@@ -1,4 +1,4 @@
-"""Shared helpers of the Triton backend: interpreter detection, dtype mapping, small launch math.
+"""Shared helpers of the Triton backend: interpreter detection, dot operand types, small launch math.
 
 ``INTERPRET`` is read once, when this package is imported: ``TRITON_INTERPRET=1`` must be set before
 that (Triton decides at ``@triton.jit`` time whether a kernel is compiled or interpreted). Under the
@@ -24,20 +24,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # transitive. TILEINFER_TRITON_PDL=0 turns it off (to measure what it gains).
 PDL = not INTERPRET and os.environ.get("TILEINFER_TRITON_PDL", "1") != "0"
 
-_TL = {
-    torch.bfloat16: tl.bfloat16,
-    torch.float16: tl.float16,
-    torch.float32: tl.float32,
-    torch.int8: tl.int8,
-    torch.int32: tl.int32,
-    torch.int64: tl.int64,
-}
-
-
-def tl_dtype(dt: torch.dtype):
-    """The Triton dtype of a torch dtype (the ones the engine uses)."""
-    return _TL[dt]
-
 
 def dot_dtype(dt: torch.dtype):
     """Operand type for ``tl.dot`` given the activations' dtype.
@@ -48,7 +34,7 @@ def dot_dtype(dt: torch.dtype):
     """
     if INTERPRET or dt == torch.float32:
         return tl.float32
-    return _TL[dt]
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dt]
 
 
 def dot_precision(dt: torch.dtype) -> str:

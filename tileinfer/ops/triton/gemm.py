@@ -15,9 +15,9 @@ the epilogue), with bias, SwiGLU and float32-logit epilogues.
 * Prefill: ``_gemm_tma_kernel``, a persistent GEMM fed by TMA descriptors (Triton tutorial 09),
   ``_gemm_kernel``, the classic pointer-based tiled GEMM (grouped order, cp.async, wgmma), or, for
   shapes whose tiles leave the last wave mostly idle, ``_gemm_streamk_kernel`` (stream-K), per the
-  tile table. From ``INT8_DEQUANT_ROWS`` rows an INT8 weight is widened to a bf16 scratch copy
+  plan. From ``Tuning.int8_dequant_rows`` rows an INT8 weight is widened to a bf16 scratch copy
   first (one pass) instead of being converted once per 128-row block inside the GEMM, unless the
-  table picks the TMA kernel's "swap AB" form: out^T = W @ x^T, the int8 weight tile as wgmma's A
+  plan picks the TMA kernel's "swap AB" form: out^T = W @ x^T, the int8 weight tile as wgmma's A
   operand, converted to bf16 in registers and read by wgmma from there (only x goes through shared
   memory to the tensor cores).
 
@@ -26,19 +26,21 @@ happens in the epilogue, so the [T, 2 * inter] intermediate never exists. The GE
 GEMM read tiles whose rows interleave gate row i and up row i; the TMA GEMM loads a gate tile and
 an up tile per k-step into two accumulators (swap AB: one 3-D tile of both into one accumulator).
 
-Tile sizes come from small tables per shape class (``_gemv_config``, ``_gemm_config``,
-``SHAPE_TABLE``), not from autotuning at import time; the entries were chosen from sweeps on the
-H200 (benchmarks/NOTES.md).
+Each op plans its launch (:mod:`.plan`: pure functions of shapes, dtypes, flags and the SM count)
+from the tile tables of a :class:`~.tuning.Tuning` argument, not from autotuning at import time,
+then launches it; a ``tile`` argument replaces the planned tile.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tileinfer.ops import Int8Weight, Unsupported, sm_count
+from tileinfer.ops import Int8Weight, Unsupported, Workspace, sm_count
 from tileinfer.ops.triton._common import (
     INTERPRET,
     cast,
@@ -50,8 +52,8 @@ from tileinfer.ops.triton._common import (
     pdl_launch,
     pdl_prologue,
 )
-
-GEMV_MAX_ROWS = 16
+from tileinfer.ops.triton.plan import GEMV_MAX_ROWS, GemmPlan, GemvPlan, plan_gemm, plan_gemv
+from tileinfer.ops.triton.tuning import TUNING, GemmTile, GemvTile, RowMode, Tuning
 
 # ---------------------------------------------------------------------------- kernels
 
@@ -483,7 +485,7 @@ def _gemm_streamk_kernel(
     """Stream-K GEMM (Osama et al., "Stream-K: Work-centric Parallel Decomposition for Dense Matrix
     Multiplication on the GPU", PPoPP 2023): out = x @ w.T for outputs whose tile count leaves the
     last wave of a tile-per-program GEMM mostly idle (Qwen3-4B's down at 1k tokens: 80 tiles of
-    128 x 256 on 132 SMs).
+    128 x 256 on an H200).
 
     The grid's P programs (at most one per SM; waits assume every program gets an SM, which MPS
     limits or concurrent kernels holding SMs could break) first run the full waves
@@ -574,127 +576,6 @@ def _k_steps(
     return acc
 
 
-# ---------------------------------------------------------------------------- tile tables
-
-# GEMV, one row: (BLOCK_N, BLOCK_K, num_warps, stages[, mode]). stages >= 2 pipelines the weight
-# tiles through shared memory (cp.async, ``PIPE``). mode: the INT8 row path's conversion (1 int8
-# sign-extended, 2 int32 words, GEMV_UNIT biased floats), or GEMV_DOT, the 16-row tensor-core path
-# with the row padded (num_warps and stages then as for 16 rows). Small BLOCK_N gives many programs
-# (a 2560-row weight must still spread over 132 SMs); BLOCK_K sets the bytes each program loads at
-# once. Each table: (most weight rows, config), the first that fits wins (None: any size).
-GEMV_DOT = 3
-GEMV_UNIT = 4
-# BF16: 4-row tiles up to ~4k rows, 8-row tiles above (H200 sweeps, benchmarks/NOTES.md); the
-# pipelined variants won some shapes alone but not the 4B model (h200-2026-12-01-gemv-pipeline.md).
-GEMV1_BF16 = [(4096, (4, 1024, 4, 1)), (None, (8, 512, 4, 1))]
-# INT8: GEMV_UNIT, pipelined, at every size but the lm_head's (its float32 logits need the exact
-# conversion: int32 words). Whole-model decode with these tiles against the earlier sign-extended /
-# int32-word table, same run: 4B +10% at 1k, +5% at 32k; 8B +6% (h200-2026-12-01-gemv-pipeline.md).
-GEMV1_INT8 = [
-    (4096, (4, 1024, 4, 3, GEMV_UNIT)),
-    (8192, (8, 512, 4, 4, GEMV_UNIT)),
-    (32768, (16, 512, 4, 3, GEMV_UNIT)),
-    (None, (16, 512, 4, 3, 2)),
-]
-# GEMV, 2..16 rows (tl.dot, rows padded to 16): few programs, so deep software pipelining;
-# 32-row tiles won every shape of the sweep (17-21 us geomean against 25 for 16-row tiles).
-GEMV16_BF16 = (32, 256, 4, 4)
-GEMV16_INT8 = (32, 256, 4, 4)
-# GEMM: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, kernel). kernel "ptr" is the
-# pointer-based tiled GEMM, "tma" the persistent TMA kernel, "tma_ws" the same warp-specialised,
-# "swap" the TMA kernel computing the transposed tile (weight rows as wgmma's M: 64 a warpgroup),
-# "streamk" the stream-K TMA kernel (plain GEMMs; SwiGLU takes "tma" instead), per shape only.
-# BLOCK_M is the tile's tokens, BLOCK_N the width of the output tile (for SwiGLU the kernels read
-# twice as many weight rows).
-# ``_gemm_config`` takes the first tile of its list that still makes half a wave of programs on 132
-# SMs (a 1024 x 1024 output has 64 tiles of 128 x 128), unless SHAPE_TABLE names the shape. Each list
-# ends with a pointer tile: the fallback where TMA cannot read the tensors (misaligned rows).
-GEMM_TILES = {
-    # plain GEMMs: 128 x 256 TMA tiles won every plain shape of the H200 sweep except the 4B qkv
-    # (128 x 128 there), even where 80 tiles leave SMs idle (smaller tiles lose more per tile)
-    "bf16": [(128, 256, 64, 8, 8, 3, "tma"), (128, 128, 64, 8, 8, 4, "tma_ws"), (64, 128, 64, 8, 4, 4, "ptr")],
-    # SwiGLU: two accumulators, so 128 x 128 output tiles (= 256 weight rows); 256 would spill
-    "bf16_swiglu": [(128, 128, 64, 8, 8, 4, "tma_ws"), (64, 128, 64, 8, 4, 4, "ptr")],
-    # INT8 weights converted in the kernel (plain: below INT8_DEQUANT_ROWS; the pointer kernel beat
-    # TMA). SwiGLU takes swap AB at any row count (256 tokens x 64 gate + 64 up rows, one dot):
-    # 1.09x / 1.19x the BF16 SwiGLU kernel on the 4B / 8B gate_up at 1k tokens, where widening gave
-    # 0.79 (timed at 1k only); on the plain shapes swap ran at 0.69-0.92x BF16, below the widening
-    # pass (h200-2026-12-01-int8-prefill-gemm.md)
-    "int8": [(128, 128, 64, 8, 8, 3, "ptr"), (64, 128, 64, 8, 4, 4, "ptr")],
-    "int8_swiglu": [(256, 64, 64, 8, 8, 3, "swap"), (128, 128, 64, 8, 8, 4, "tma"), (64, 128, 64, 8, 4, 4, "ptr")],
-}
-# From this many rows on, an INT8 weight is first widened to a bf16 scratch copy (one pass over
-# it, exact) and multiplied by the bf16 kernels, scales still in the epilogue: converting in the
-# GEMM repeats the conversion once per 128-row block and ran at 0.5-0.64x the BF16 GEMM. A "swap"
-# config converts in registers for the tensor cores and skips the widening.
-INT8_DEQUANT_ROWS = 512
-NUM_SMS = 132  # H200: the tile rule's wave size (the launch reads the device's own count)
-
-# Overrides for measuring alternatives (benchmarks.ops --sweep); empty = the tables here.
-_OVERRIDE: dict[str, tuple] = {}
-
-
-# Per-shape entries measured on the H200 (benchmarks.ops --sweep), keyed like the sweep:
-# GEMV (weight rows, K), GEMM (M, N out, K). Shapes not listed use the rules above.
-SHAPE_TABLE: dict[str, dict] = {
-    # At 1k tokens: Qwen3-4B qkv 128 x 128 tiles (the table's 128 x 256 leave a wave 73% full); 4B down
-    # (80 tiles of 128 x 256 on 132 SMs) stream-K, 11% faster than tiles in two sweeps; 8B qkv (192
-    # tiles) stream-K, 2-4% faster than tiles measured in earlier runs; 4B o (K 4096) was 9% slower
-    # with stream-K; at 512 tokens (the runner's chunk) 4B down stream-K 51.2 us against 54.3 for
-    # its best tiles, one sweep (h200-2026-12-02-streamk.md)
-    "gemm_bf16": {
-        (1024, 6144, 2560): (128, 128, 64, 8, 8, 4, "tma_ws"),
-        (1024, 2560, 9728): (128, 256, 64, 8, 8, 4, "streamk"),
-        (1024, 6144, 4096): (128, 256, 64, 8, 8, 3, "streamk"),
-        (512, 2560, 9728): (128, 128, 64, 8, 8, 4, "streamk"),
-    },
-    # No single-row shape takes GEMV_DOT: it won the 8B gate_up alone in bench.ops (h200-2026-12-01-gemv-dot.md)
-    # but lost whole-model INT8 decode on the 8B shape (h200-2026-12-01-gemv-dot-ab.md): time the model too.
-    # Qwen3-8B o and down (4096 rows, K 4096 / 12288): 8-row tiles, decided by the whole-model A/B
-    # (h200-2026-12-01-decode-final.md, "8B INT8 GEMV entries").
-    "gemv1_int8": {(4096, 4096): (8, 1024, 4, 3, GEMV_UNIT), (4096, 12288): (8, 1024, 4, 3, GEMV_UNIT)},
-}
-
-
-def _override(key: str, shape):
-    """A benchmark override (one config, or a dict keyed by shape), else the per-shape table."""
-    o = _OVERRIDE.get(key)
-    if isinstance(o, dict):
-        o = o.get(shape)
-    if o is None:
-        o = SHAPE_TABLE.get(key, {}).get(shape)
-    return o
-
-
-def _gemv_config(rows: int, int8: bool, n: int, k: int) -> tuple:
-    key = ("gemv1" if rows == 1 else "gemv16") + ("_int8" if int8 else "_bf16")
-    o = _override(key, (n, k))
-    if o is not None:
-        return o
-    if rows == 1:
-        return next(cfg for most, cfg in (GEMV1_INT8 if int8 else GEMV1_BF16) if most is None or n <= most)
-    return GEMV16_INT8 if int8 else GEMV16_BF16
-
-
-def _gemm_tiles(int8: bool, swiglu: bool) -> list[tuple]:
-    """The GEMM_TILES list for the weight type and epilogue (its last entry a pointer tile)."""
-    return GEMM_TILES[("int8" if int8 else "bf16") + ("_swiglu" if swiglu else "")]
-
-
-def _gemm_config(M: int, n_out: int, int8: bool, k: int = 0, swiglu: bool = False) -> tuple:
-    """The GEMM tile for an [M, n_out] output: an override or per-shape entry, else the first tile
-    of the table that makes at least half a wave of programs (small outputs take smaller tiles)."""
-    key = "gemm_int8" if int8 else "gemm_bf16"
-    o = _override(key, (M, n_out, k))
-    if o is not None:
-        return o
-    table = _gemm_tiles(int8, swiglu)
-    for cfg in table:
-        if cdiv(M, cfg[0]) * cdiv(n_out, cfg[1]) >= NUM_SMS // 2:
-            return cfg
-    return table[-1]
-
-
 # ---------------------------------------------------------------------------- launch
 
 
@@ -714,49 +595,35 @@ def _widen_int8(q: torch.Tensor, dtype) -> torch.Tensor:
     return out
 
 
-def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """TMA descriptors need 16-byte aligned bases and row strides."""
-    return (
-        x.stride(1) == 1
-        and w.stride(1) == 1
-        and x.data_ptr() % 16 == 0
-        and w.data_ptr() % 16 == 0
-        and (x.stride(0) * x.element_size()) % 16 == 0
-        and (w.stride(0) * w.element_size()) % 16 == 0
-    )
+def _tma_ok(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can read ``t`` [rows, cols]: unit column stride, 16-byte aligned base
+    and row stride."""
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
-_STREAMK_WS: dict = {}
-
-
-def _streamk_remainder_small(tiles: int, sms: int) -> bool:
-    """Whether the tiles left after stream-K's full waves are too few to share out: under sms / 8
-    tiles, each program gets a sliver of k-steps and one program would add up to ~sms partial tiles
-    in series (133 tiles on 132 SMs: one tile's k-steps over all 132 programs)."""
-    return 0 < tiles % sms * 8 < sms
-
-
-def _streamk_workspace(device, programs: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _streamk_workspace(
+    workspace: Workspace, device: torch.device, programs: int, tile: int, sms: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stream-K's float32 partial tiles [programs * tile] and its int32 flags [programs], one pair
-    per (device, stream). The flags are all zero between launches (each launch lowers every flag it
-    raised), so the pair serves every launch on its stream, CUDA graph replays included. Launches
-    on two streams at once sharing one pair could read each other's partials and then spin forever,
-    hence the per-stream key. The pair is sized for the device's SMs and 128 x 256 tiles at first
-    use; a larger one replaces it only outside a graph capture (a captured graph keeps the
-    addresses it saw), and the old pair is kept, since a graph captured earlier may still use it.
+    per (device, stream), held by ``workspace``. The flags are all zero between launches (each launch
+    lowers every flag it raised), so the pair serves every launch on its stream, CUDA graph replays
+    included. Launches on two streams at once sharing one pair could read each other's partials and
+    then spin forever, hence the per-stream key. The pair is sized for ``sms`` programs and 128 x 256
+    tiles at first use; a larger one replaces it only outside a graph capture (a captured graph keeps
+    the addresses it saw), and the old pair is kept, since a graph captured earlier may still use it.
 
     Raises:
-        RuntimeError: the pair must grow while a CUDA graph is being captured.
+        RuntimeError: the pair must be made or grow while a CUDA graph is being captured.
     """
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    held = _STREAMK_WS.setdefault((device, stream), [])
+    held = workspace.get(("streamk", device, stream), list)
     if held and held[-1][0].numel() >= programs * tile and held[-1][1].numel() >= programs:
         return held[-1]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "stream-K workspace: first use or growth inside a CUDA graph capture; run the GEMM once before capturing"
         )
-    n = max(programs, _num_sms(device))
+    n = max(programs, sms)
     held.append(
         (
             torch.empty(n * max(tile, 128 * 256), dtype=torch.float32, device=device),
@@ -766,14 +633,14 @@ def _streamk_workspace(device, programs: int, tile: int) -> tuple[torch.Tensor, 
     return held[-1]
 
 
-def _num_sms(device) -> int:
-    if device.type == "cpu":
-        return 4  # the interpreter: a few persistent programs exercise the tile loop
-    return sm_count(device)
-
-
 def _check_operands(x: torch.Tensor, w, bias, swiglu: bool, op: str) -> None:
-    """Raise what :func:`_matmul` raises for operands it cannot take (before anything runs)."""
+    """Raise for operands the GEMV/GEMM kernels cannot take, before anything runs (the INT8
+    layouts of single plans are checked in :func:`_matmul`).
+
+    Raises:
+        ValueError: x's features differ from the weight's columns.
+        Unsupported: x that is not 2-D, weight rows or a bias that are not contiguous.
+    """
     if x.dim() != 2:
         raise Unsupported(f"x is {x.dim()}-D, not [T, in]")
     wq = w.q if isinstance(w, Int8Weight) else w
@@ -785,13 +652,31 @@ def _check_operands(x: torch.Tensor, w, bias, swiglu: bool, op: str) -> None:
         raise Unsupported("bias not contiguous")
 
 
-def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch.Tensor:
-    """Shared launcher of ``op``: x [T, K] @ w.T -> [T, N_out] (N_out = rows of w, halved for SwiGLU).
+class _Operands(NamedTuple):
+    """What every GEMV/GEMM launch passes besides its plan (see :func:`_matmul`)."""
+
+    x: torch.Tensor  # [T, K], unit column stride
+    w: torch.Tensor  # [n_rows, K] in x's dtype, int8, or (the GEMV's RowMode.WORDS) int32 words
+    scale: torch.Tensor  # float32 [n_rows] of an INT8 weight; a placeholder otherwise
+    bias: torch.Tensor  # [N]; a placeholder when has_bias is False
+    out: torch.Tensor  # [T, N]
+    int8: bool
+    has_bias: bool
+    swiglu: bool  # w holds the gate rows, then the up rows (up_off = N rows further)
+
+
+def _matmul(
+    x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str, tile, tuning: Tuning, workspace
+) -> torch.Tensor:
+    """Shared launcher of ``op``: x [T, K] @ w.T -> [T, N] in ``out_dtype`` (N = rows of w, halved for
+    SwiGLU): plan (:func:`plan_gemv` up to GEMV_MAX_ROWS rows, else :func:`plan_gemm`), check the
+    layouts the plan needs, launch.
 
     Raises:
         ValueError: x's features differ from the weight's columns.
-        Unsupported: x that is not 2-D, weight rows or a bias that are not contiguous, or an INT8
-            weight that the int32-word GEMV or the widening pass cannot read as one contiguous block.
+        TypeError: ``tile`` is not a GemvTile (1 to 16 rows) or a GemmTile (more).
+        Unsupported: see :func:`_check_operands`; also an INT8 weight that the int32-word GEMV or the
+            widening pass cannot read as one contiguous block.
     """
     _check_operands(x, w, bias, swiglu, op)
     T, K = x.shape
@@ -802,201 +687,208 @@ def _matmul(x: torch.Tensor, w, bias, out_dtype, swiglu: bool, op: str) -> torch
     out = torch.empty((T, N), dtype=out_dtype, device=x.device)
     if T == 0 or N == 0:
         return out
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    has_bias = bias is not None and not swiglu  # the reference's swiglu takes no bias
+    # absent inputs are passed as the weight as given (never read; one pointer type per weight dtype)
     scale = w.scale if int8 else wq
     b = bias if bias is not None else wq
-    has_bias = bias is not None and not swiglu  # the reference's swiglu takes no bias
-    round_ = out_dtype != torch.float32
-    dot_t, prec = dot_dtype(x.dtype), dot_precision(x.dtype)
-    up_off = N if swiglu else 0
     if T <= GEMV_MAX_ROWS:
-        cfg = _gemv_config(T, int8, n_rows, K)
-        bn, bk, warps, stages = cfg[:4]
-        row_mode = cfg[4] if T == 1 and len(cfg) > 4 else None
-        dot = T > 1 or row_mode == GEMV_DOT
-        mode = row_mode if not dot and int8 and row_mode is not None else int(int8)
-        if mode == GEMV_UNIT and torch.float32 in (x.dtype, out_dtype):
-            mode = 1  # float32 activations or logits keep the exact conversion (GEMV_UNIT is ~5e-5 off)
-        # the row path pipelines its own loop (PIPE); its launch has no dot for num_stages to pipeline
-        pipe, stages = (1, stages) if dot else (stages, 1)
-        if mode == 2:  # this INT8 GEMV reads the weight as int32 words
+        if tile is not None and not isinstance(tile, GemvTile):
+            raise TypeError(f"{op}: {T} rows take a GemvTile, not {tile!r}")
+        f32 = torch.float32 in (x.dtype, out_dtype)
+        plan = plan_gemv(T, n_rows, K, int8=int8, swiglu=swiglu, float32=f32, tuning=tuning, tile=tile)
+        if plan.w_int8 == RowMode.WORDS:  # this INT8 GEMV reads the weight as int32 words
             if K % 4 or not wq.is_contiguous():
                 raise Unsupported("INT8 weight not contiguous in whole int32 words")
-            wv, stride_wn = wq.view(torch.int32), wq.stride(0) // 4
-        else:
-            wv, stride_wn = wq, wq.stride(0)
-        cols = bn // 2 if swiglu else bn
-        _gemv_kernel[(cdiv(N, cols),)](
-            x,
-            wv,
-            scale,
-            b,
-            out,
+            wq = wq.view(torch.int32)
+    else:
+        if tile is not None and not isinstance(tile, GemmTile):
+            raise TypeError(f"{op}: {T} rows take a GemmTile, not {tile!r}")
+        # x with a strided last axis is copied first: a fresh tensor, aligned, rows of K elements
+        tma_x = _tma_ok(x) if x.stride(1) == 1 else (K * x.element_size()) % 16 == 0
+        plan = plan_gemm(
             T,
             N,
             K,
-            x.stride(0),
-            stride_wn,
-            out.stride(0),
-            up_off,
-            BLOCK_T=16 if dot else 1,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            W_INT8=mode,
-            HAS_BIAS=has_bias,
-            SWIGLU=swiglu,
-            EVEN_K=K % bk == 0,
-            ROUND=round_,
-            DOT_T=dot_t,
-            PREC=prec,
-            PIPE=pipe,
-            num_warps=warps,
-            num_stages=stages,
-            **pdl_launch(x),
+            int8=int8,
+            swiglu=swiglu,
+            float32_out=out_dtype == torch.float32,
+            x_bytes=x.element_size(),
+            tma_x=tma_x,
+            tma_w=_tma_ok(wq),
+            sms=tuning.sms or sm_count(x.device),
+            tuning=tuning,
+            tile=tile,
         )
+        if plan.widen and not wq.is_contiguous():  # the widening pass reads the weight as one flat block
+            raise Unsupported("INT8 weight not contiguous")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if T > GEMV_MAX_ROWS and plan.widen:
+        wq = _widen_int8(wq, x.dtype)  # exact copy; the epilogue still applies the INT8 scales
+    args = _Operands(x, wq, scale, b, out, int8, has_bias, swiglu)
+    if T <= GEMV_MAX_ROWS:
+        _launch_gemv(args, plan)
+    elif plan.tile.kernel == "ptr":
+        _launch_ptr(args, plan)
+    elif plan.tile.kernel == "streamk":
+        _launch_streamk(args, plan, workspace if workspace is not None else Workspace())
     else:
-        cfg = _gemm_config(T, N, int8, K, swiglu)
-        swap = cfg[6:] == ("swap",)
-        if swap and not _tma_ok(x, wq):  # swap needs TMA: the table's pointer tile (then widened below)
-            cfg, swap = _gemm_tiles(int8, swiglu)[-1], False
-        if int8 and T >= INT8_DEQUANT_ROWS and not swap:
-            if not wq.is_contiguous():  # the widening pass reads the weight as one flat block
-                raise Unsupported("INT8 weight not contiguous")
-            wq = _widen_int8(wq, x.dtype)  # exact bf16 copy; the int8 epilogue still scales
-            cfg = _gemm_config(T, N, False, K, swiglu)
-        bm, bn, bk, gm, warps, stages = cfg[:6]
-        kind = cfg[6] if len(cfg) > 6 else "ptr"
-        if (swiglu or out_dtype == torch.float32) and bn > 128:
-            # two accumulators, or a float32 output tile staged through shared memory for the store:
-            # a wider tile overflows the 227 KB of shared memory (seen: 272 KB for a 127-row lm_head)
-            bn = 128
-        if kind == "swap" and out_dtype == torch.float32:
-            bm = min(bm, 128)  # the same for the swapped tile's token side
-        if kind != "ptr" and not _tma_ok(x, wq):
-            kind = "ptr"
-        tiles, n_sms = cdiv(T, bm) * cdiv(N, bn), _num_sms(x.device)
-        if kind == "streamk" and (swiglu or _streamk_remainder_small(tiles, n_sms)):
-            kind = "tma"  # stream-K has one accumulator and the plain epilogue; see the helper
-        if kind == "ptr":
-            wcols = bn * 2 if swiglu else bn  # the pointer kernel's tile holds gate and up rows
-            _gemm_kernel[(tiles,)](
-                x,
-                wq,
-                scale,
-                b,
-                out,
-                T,
-                N,
-                K,
-                x.stride(0),
-                wq.stride(0),
-                out.stride(0),
-                up_off,
-                BLOCK_M=bm,
-                BLOCK_N=wcols,
-                BLOCK_K=bk,
-                GROUP_M=gm,
-                W_INT8=int8,
-                HAS_BIAS=has_bias,
-                SWIGLU=swiglu,
-                EVEN_K=K % bk == 0,
-                ROUND=round_,
-                DOT_T=dot_t,
-                PREC=prec,
-                num_warps=warps,
-                num_stages=stages,
-            )
-        elif kind == "streamk":
-            programs = min(n_sms, tiles * cdiv(K, bk))
-            ws, flags = _streamk_workspace(x.device, programs, bm * bn)
-            _gemm_streamk_kernel[(programs,)](
-                TensorDescriptor(x, [T, K], [x.stride(0), 1], [bm, bk]),
-                TensorDescriptor(wq, [n_rows, K], [wq.stride(0), 1], [bn, bk]),
-                scale,
-                b,
-                out,
-                ws,
-                flags,
-                T,
-                N,
-                K,
-                out.stride(0),
-                BLOCK_M=bm,
-                BLOCK_N=bn,
-                BLOCK_K=bk,
-                GROUP_M=gm,
-                W_INT8=int8,
-                HAS_BIAS=has_bias,
-                ROUND=round_,
-                DOT_T=dot_t,
-                PREC=prec,
-                num_warps=warps,
-                num_stages=stages,
-            )
-        else:
-            a_desc = TensorDescriptor(x, [T, K], [x.stride(0), 1], [bm, bk])
-            if kind == "swap" and swiglu:  # gate and up rows as one 3-D tile [2, bn, bk]
-                b_desc = TensorDescriptor(wq, [2, N, K], [N * wq.stride(0), wq.stride(0), 1], [2, bn, bk])
-            else:
-                b_desc = TensorDescriptor(wq, [n_rows, K], [wq.stride(0), 1], [bn, bk])
-            grid = (min(n_sms, tiles),)
-            _gemm_tma_kernel[grid](
-                a_desc,
-                b_desc,
-                scale,
-                b,
-                out,
-                T,
-                N,
-                K,
-                out.stride(0),
-                up_off,
-                BLOCK_M=bm,
-                BLOCK_N=bn,
-                BLOCK_K=bk,
-                GROUP_M=gm,
-                NUM_SMS=n_sms,
-                W_INT8=int8,
-                HAS_BIAS=has_bias,
-                SWIGLU=swiglu,
-                ROUND=round_,
-                DOT_T=dot_t,
-                PREC=prec,
-                WARP_SPEC=kind == "tma_ws" and not INTERPRET,
-                SWAP_AB=kind == "swap",
-                num_warps=warps,
-                num_stages=stages,
-            )
+        _launch_tma(args, plan)
     return out
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _dot_args(a: _Operands) -> dict:
+    """The constexprs every GEMV/GEMM kernel takes for its dot and its rounding."""
+    return dict(ROUND=a.out.dtype != torch.float32, DOT_T=dot_dtype(a.x.dtype), PREC=dot_precision(a.x.dtype))
+
+
+def _launch_gemv(a: _Operands, plan: GemvPlan) -> None:
+    T, K = a.x.shape
+    N = a.out.shape[1]
+    _gemv_kernel[(plan.programs,)](
+        a.x, a.w, a.scale, a.bias, a.out,
+        T, N, K, a.x.stride(0), a.w.stride(0), a.out.stride(0), N if a.swiglu else 0,
+        BLOCK_T=16 if plan.dot else 1,
+        BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k,
+        W_INT8=plan.w_int8,
+        HAS_BIAS=a.has_bias,
+        SWIGLU=a.swiglu,
+        EVEN_K=K % plan.block_k == 0,
+        PIPE=plan.pipe,
+        num_warps=plan.warps,
+        num_stages=plan.stages,
+        **_dot_args(a),
+        **pdl_launch(a.x),
+    )  # fmt: skip
+
+
+def _launch_ptr(a: _Operands, plan: GemmPlan) -> None:
+    T, K = a.x.shape
+    N = a.out.shape[1]
+    t = plan.tile
+    _gemm_kernel[(plan.programs,)](
+        a.x, a.w, a.scale, a.bias, a.out,
+        T, N, K, a.x.stride(0), a.w.stride(0), a.out.stride(0), N if a.swiglu else 0,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n * 2 if a.swiglu else t.block_n,  # the pointer kernel's tile holds gate and up rows
+        BLOCK_K=t.block_k,
+        GROUP_M=t.group_m,
+        W_INT8=a.int8,
+        HAS_BIAS=a.has_bias,
+        SWIGLU=a.swiglu,
+        EVEN_K=K % t.block_k == 0,
+        num_warps=t.warps,
+        num_stages=t.stages,
+        **_dot_args(a),
+    )  # fmt: skip
+
+
+def _launch_streamk(a: _Operands, plan: GemmPlan, workspace: Workspace) -> None:
+    T, K = a.x.shape
+    N = a.out.shape[1]
+    t = plan.tile
+    ws, flags = _streamk_workspace(workspace, a.x.device, plan.programs, t.block_m * t.block_n, plan.sms)
+    _gemm_streamk_kernel[(plan.programs,)](
+        TensorDescriptor(a.x, [T, K], [a.x.stride(0), 1], [t.block_m, t.block_k]),
+        TensorDescriptor(a.w, [a.w.shape[0], K], [a.w.stride(0), 1], [t.block_n, t.block_k]),
+        a.scale, a.bias, a.out, ws, flags,
+        T, N, K, a.out.stride(0),
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        GROUP_M=t.group_m,
+        W_INT8=a.int8,
+        HAS_BIAS=a.has_bias,
+        num_warps=t.warps,
+        num_stages=t.stages,
+        **_dot_args(a),
+    )  # fmt: skip
+
+
+def _launch_tma(a: _Operands, plan: GemmPlan) -> None:
+    """The persistent TMA kernel: "tma", "tma_ws" or "swap"."""
+    T, K = a.x.shape
+    N = a.out.shape[1]
+    t = plan.tile
+    w = a.w
+    a_desc = TensorDescriptor(a.x, [T, K], [a.x.stride(0), 1], [t.block_m, t.block_k])
+    if t.kernel == "swap" and a.swiglu:  # gate and up rows as one 3-D tile [2, block_n, block_k]
+        b_desc = TensorDescriptor(w, [2, N, K], [N * w.stride(0), w.stride(0), 1], [2, t.block_n, t.block_k])
+    else:
+        b_desc = TensorDescriptor(w, [w.shape[0], K], [w.stride(0), 1], [t.block_n, t.block_k])
+    _gemm_tma_kernel[(plan.programs,)](
+        a_desc, b_desc, a.scale, a.bias, a.out,
+        T, N, K, a.out.stride(0), N if a.swiglu else 0,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        GROUP_M=t.group_m,
+        NUM_SMS=plan.sms,
+        W_INT8=a.int8,
+        HAS_BIAS=a.has_bias,
+        SWIGLU=a.swiglu,
+        WARP_SPEC=t.kernel == "tma_ws" and not INTERPRET,
+        SWAP_AB=t.kernel == "swap",
+        num_warps=t.warps,
+        num_stages=t.stages,
+        **_dot_args(a),
+    )  # fmt: skip
+
+
+def linear(
+    x: torch.Tensor,
+    w,
+    bias: torch.Tensor | None = None,
+    *,
+    tile: GemvTile | GemmTile | None = None,
+    tuning: Tuning = TUNING,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
     """``x @ w.T + bias``: x [T, in] -> [T, out] in x's dtype.
 
     w: [out, in] in x's dtype, or an :class:`Int8Weight` (int8 [out, in] + float32 scale [out],
-    scale applied to the float32 product in the epilogue). T <= 16: GEMV kernel; else GEMM.
+    scale applied to the float32 product in the epilogue). T <= 16: GEMV kernel; else GEMM. ``tile``
+    replaces the planned one (a GemvTile for T <= 16, else a GemmTile); ``tuning`` holds the tables
+    the plan chooses from and the SM count; ``workspace`` keeps stream-K's partials between calls
+    (None: fresh ones for this call). Raises as :func:`_matmul`.
     """
-    return _matmul(x, w, bias, x.dtype, swiglu=False, op="linear")
+    return _matmul(x, w, bias, x.dtype, False, "linear", tile, tuning, workspace)
 
 
-def swiglu(x: torch.Tensor, w_gate_up) -> torch.Tensor:
+def swiglu(
+    x: torch.Tensor,
+    w_gate_up,
+    *,
+    tile: GemvTile | GemmTile | None = None,
+    tuning: Tuning = TUNING,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
     """SwiGLU MLP input (Shazeer, 2020): ``silu(x @ Wg.T) * (x @ Wu.T)`` with the gating fused into
     the epilogue of the gate/up GEMM/GEMV.
 
     x: [T, hidden]; w_gate_up: [2 * inter, hidden] (gate rows then up rows), or an
-    :class:`Int8Weight` of that shape. Returns [T, inter] in x's dtype.
+    :class:`Int8Weight` of that shape. Returns [T, inter] in x's dtype. Keywords and errors as
+    :func:`linear`.
     """
-    return _matmul(x, w_gate_up, None, x.dtype, swiglu=True, op="swiglu")
+    return _matmul(x, w_gate_up, None, x.dtype, True, "swiglu", tile, tuning, workspace)
 
 
-def lm_head(x: torch.Tensor, w) -> torch.Tensor:
+def lm_head(
+    x: torch.Tensor,
+    w,
+    *,
+    tile: GemvTile | GemmTile | None = None,
+    tuning: Tuning = TUNING,
+    workspace: Workspace | None = None,
+) -> torch.Tensor:
     """Logits in float32: x [T, hidden] @ w.T -> [T, vocab] float32, accumulated in float32.
 
     w: [vocab, hidden] (model dtype or float32) or an :class:`Int8Weight`. With a float32 weight and
-    bf16 activations the activations are upcast (the product then runs in float32).
+    bf16 activations the activations are upcast (the product then runs in float32). Keywords and
+    errors as :func:`linear`.
     """
     _check_operands(x, w, None, False, "lm_head")
-    if not isinstance(w, Int8Weight) and w.dtype != x.dtype:
-        x = x.to(w.dtype) if w.dtype == torch.float32 else x
-    return _matmul(x, w, None, torch.float32, swiglu=False, op="lm_head")
+    if not isinstance(w, Int8Weight) and w.dtype != x.dtype and w.dtype == torch.float32:
+        x = x.to(torch.float32)
+    return _matmul(x, w, None, torch.float32, False, "lm_head", tile, tuning, workspace)

@@ -24,8 +24,9 @@ before P @ V, as in the reference (the row sum uses the unscaled p). V is read a
 widened in registers: an int8 tile as the transposed P @ V operand is read out of shared memory a
 byte at a time.
 
-Tiles (BLOCK_N, warps, stages) come from a small table chosen from H200 sweeps (benchmarks/NOTES.md); the
-decode grid depends only on static shapes, so a captured CUDA graph replays as the context grows.
+Tiles and split counts come from the plans of :mod:`.plan` (tables of a :class:`~.tuning.Tuning`
+argument, split counts from the SM count); the decode grid depends only on static shapes, so a
+captured CUDA graph replays as the context grows.
 """
 
 from __future__ import annotations
@@ -35,10 +36,9 @@ import triton
 import triton.language as tl
 
 from tileinfer.core.kv_cache import KVLayer
-from tileinfer.ops import Unsupported
+from tileinfer.ops import Unsupported, sm_count
 from tileinfer.ops.triton._common import (
     cast,
-    cdiv,
     dot_dtype,
     dot_precision,
     i8x4_byte_to_f32,
@@ -46,10 +46,16 @@ from tileinfer.ops.triton._common import (
     pdl_launch,
     pdl_prologue,
 )
+from tileinfer.ops.triton.plan import (
+    DECODE_MAX_ROWS,
+    DecodePlan,
+    PrefillPlan,
+    plan_decode_attention,
+    plan_prefill_attention,
+)
+from tileinfer.ops.triton.tuning import TUNING, Tuning
 
-DECODE_MAX_ROWS = 16
 LOG2E = 1.4426950408889634
-NEG = -1.0e30  # finite "minus infinity" for running maxima: fully masked rows stay NaN-free
 
 
 @triton.jit
@@ -405,33 +411,6 @@ def _attn_combine_kernel(
     tl.store(o_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, cast(out, o_ptr.dtype.element_ty))
 
 
-# Tiles from the H200 sweep (benchmarks/NOTES.md). Prefill (BLOCK_M, BLOCK_N, num_warps,
-# num_stages): 128 x 128 tiles for long chunks and INT8 caches, 64 x 64 for chunks of <= 4k rows.
-PREFILL_TILE_LARGE = (128, 128, 8, 2)
-PREFILL_TILE_SMALL = (64, 64, 4, 3)
-PREFILL_SMALL_ROWS = 4096  # T * group
-# Decode (BLOCK_N, num_warps, num_stages); BLOCK_M comes from the rows (T * group, padded to 16).
-# num_stages 1 (no cp.async ring: many resident programs hide the latency) was as fast for BF16 and
-# 1.2x faster for INT8 at 8k; at 32k the INT8 cache prefers 128-key tiles, 2 stages and 6 programs
-# per SM (whole-model A/B, results/h200-2026-12-01-attn-int8-tiles.md).
-DECODE_TILE = (64, 4, 1)
-DECODE_TILE_INT8_LONG = (128, 4, 2)  # INT8 cache, block tables of >= 16k positions
-DECODE_PROGRAMS = 4 * 132  # split-kernel programs at long context (sweep: 264 and 1056 were slower)
-DECODE_PROGRAMS_INT8_LONG = 6 * 132
-
-_OVERRIDE: dict[str, object] = {}
-
-
-def num_splits(max_positions: int, kv_heads: int, block_n: int, programs: int) -> int:
-    """Context chunks of the split-KV kernel: ~``programs`` programs, at most one per key block.
-
-    Depends only on static shapes (the block table's length, the KV heads), so a captured graph
-    stays valid as the context grows.
-    """
-    target = _OVERRIDE.get("programs", programs)
-    return max(1, min(cdiv(max_positions, block_n), cdiv(target, kv_heads)))
-
-
 def _unsupported(q: torch.Tensor, layer: KVLayer) -> str | None:
     """Why the kernels cannot take these inputs, or None: they need a power-of-two head_dim >= 16,
     contiguous head vectors, K and V pools (and scales) of one layout, and for an INT8 pool rows
@@ -466,18 +445,29 @@ def _cache_args(layer: KVLayer):
 
 
 def attention(
-    q: torch.Tensor, layer: KVLayer, block_table: torch.Tensor, positions: torch.Tensor, sm_scale: float
+    q: torch.Tensor,
+    layer: KVLayer,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    sm_scale: float,
+    *,
+    plan: DecodePlan | PrefillPlan | None = None,
+    tuning: Tuning = TUNING,
 ) -> torch.Tensor:
     """Causal paged attention with GQA for queries at ``positions`` over the cached sequence.
 
     q: [T, heads, d] (rotated; the keys/values of these positions already written); layer: the
     page pool [num_pages, kv_heads, page_size, d] (bf16/f32, or int8 + float32 scales
     [num_pages, kv_heads, page_size]); block_table: int [max_pages]; positions: int [T] on the device.
-    The query at position p attends to cached positions 0..p. T <= 16: split-KV decode + combine;
-    else the prefill kernel. Returns [T, heads, d] in q's dtype.
+    The query at position p attends to cached positions 0..p. T <= 16: split-KV decode + combine
+    (:func:`~.plan.plan_decode_attention`); else the prefill kernel
+    (:func:`~.plan.plan_prefill_attention`). ``plan`` replaces the planned launch (a DecodePlan for
+    T <= 16, else a PrefillPlan); ``tuning`` holds the tiles and the SM count the plans use.
+    Returns [T, heads, d] in q's dtype.
 
     Raises:
         ValueError: heads not a multiple of the KV heads (no GQA grouping; the reference rejects it too).
+        TypeError: ``plan`` of the other kind.
         Unsupported: inputs outside the kernels' domain (see :func:`_unsupported`).
     """
     T, H, D = q.shape
@@ -485,99 +475,76 @@ def attention(
     if H % KVH:
         raise ValueError(f"attention: {H} query heads are not a multiple of {KVH} KV heads")
     G = H // KVH
-    PAGE = layer.page_size
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0:  # before the domain check: the reference cannot take zero rows
         return out
     why = _unsupported(q, layer)
     if why:
         raise Unsupported(why)
-    kc, vc, ks, vs, strides = _cache_args(layer)
-    maxp = block_table.shape[0]
-    dot_t, prec = dot_dtype(q.dtype), dot_precision(q.dtype)
-    qk_scale = float(sm_scale) * LOG2E
     if T <= DECODE_MAX_ROWS:
-        long_int8 = layer.int8 and maxp * PAGE >= 16384
-        tile = DECODE_TILE_INT8_LONG if long_int8 else DECODE_TILE
-        bn, warps, stages = _OVERRIDE.get("decode_tile", tile)
-        block_m = max(16, next_pow2(T * G))
-        splits = num_splits(maxp * PAGE, KVH, bn, DECODE_PROGRAMS_INT8_LONG if long_int8 else DECODE_PROGRAMS)
-        rows = T * H
-        wacc = torch.empty((splits, rows, D), dtype=torch.float32, device=q.device)
-        wml = torch.empty((splits, 2, rows), dtype=torch.float32, device=q.device)
-        _attn_decode_split_kernel[(KVH, splits)](
-            q,
-            kc,
-            vc,
-            ks,
-            vs,
-            block_table,
-            positions,
-            wacc,
-            wml,
-            T,
-            G,
-            H,
-            maxp,
-            qk_scale,
-            q.stride(0),
-            q.stride(1),
-            *strides,
-            HEAD_D=D,
-            PAGE=PAGE,
-            BLOCK_M=block_m,
-            BLOCK_N=bn,
-            BLOCK_T=next_pow2(T),
-            INT8=layer.int8,
-            DOT_T=dot_t,
-            PREC=prec,
-            num_warps=warps,
-            num_stages=stages,
-            **pdl_launch(q),
-        )
-        _attn_combine_kernel[(rows,)](
-            wacc,
-            wml,
-            out,
-            H,
-            rows,
-            splits,
-            out.stride(0),
-            out.stride(1),
-            HEAD_D=D,
-            BLOCK_S=next_pow2(splits),
-            num_warps=4 if splits * D >= 4096 else 2,
-            **pdl_launch(wacc),
-        )
+        if plan is None:
+            sms = tuning.sms or sm_count(q.device)
+            max_positions = block_table.shape[0] * layer.page_size
+            plan = plan_decode_attention(T, G, KVH, max_positions, D, int8=layer.int8, sms=sms, tuning=tuning)
+        elif not isinstance(plan, DecodePlan):
+            raise TypeError(f"attention: {T} query rows take a DecodePlan, not {plan!r}")
+        _launch_decode(q, layer, block_table, positions, sm_scale, out, plan)
     else:
-        tile = PREFILL_TILE_SMALL if (T * G <= PREFILL_SMALL_ROWS and not layer.int8) else PREFILL_TILE_LARGE
-        bm, bn, warps, stages = _OVERRIDE.get("prefill_tile", tile)
-        _attn_prefill_kernel[(cdiv(T * G, bm), KVH)](
-            q,
-            kc,
-            vc,
-            ks,
-            vs,
-            block_table,
-            positions,
-            out,
-            T,
-            G,
-            maxp,
-            qk_scale,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
-            *strides,
-            HEAD_D=D,
-            PAGE=PAGE,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            INT8=layer.int8,
-            DOT_T=dot_t,
-            PREC=prec,
-            num_warps=warps,
-            num_stages=stages,
-        )
+        if plan is None:
+            plan = plan_prefill_attention(T, G, int8=layer.int8, tuning=tuning)
+        elif not isinstance(plan, PrefillPlan):
+            raise TypeError(f"attention: {T} query rows take a PrefillPlan, not {plan!r}")
+        _launch_prefill(q, layer, block_table, positions, sm_scale, out, plan)
     return out
+
+
+def _launch_decode(q, layer: KVLayer, block_table, positions, sm_scale: float, out, plan: DecodePlan) -> None:
+    T, H, D = q.shape
+    KVH = layer.k.shape[1]
+    kc, vc, ks, vs, strides = _cache_args(layer)
+    rows, splits = T * H, plan.splits
+    wacc = torch.empty((splits, rows, D), dtype=torch.float32, device=q.device)
+    wml = torch.empty((splits, 2, rows), dtype=torch.float32, device=q.device)
+    _attn_decode_split_kernel[(KVH, splits)](
+        q, kc, vc, ks, vs, block_table, positions, wacc, wml,
+        T, H // KVH, H, block_table.shape[0], float(sm_scale) * LOG2E, q.stride(0), q.stride(1), *strides,
+        HEAD_D=D,
+        PAGE=layer.page_size,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.tile.block_n,
+        BLOCK_T=next_pow2(T),
+        INT8=layer.int8,
+        DOT_T=dot_dtype(q.dtype),
+        PREC=dot_precision(q.dtype),
+        num_warps=plan.tile.warps,
+        num_stages=plan.tile.stages,
+        **pdl_launch(q),
+    )  # fmt: skip
+    _attn_combine_kernel[(rows,)](
+        wacc, wml, out, H, rows, splits, out.stride(0), out.stride(1),
+        HEAD_D=D,
+        BLOCK_S=next_pow2(splits),
+        num_warps=plan.combine_warps,
+        **pdl_launch(wacc),
+    )  # fmt: skip
+
+
+def _launch_prefill(q, layer: KVLayer, block_table, positions, sm_scale: float, out, plan: PrefillPlan) -> None:
+    T, H, D = q.shape
+    KVH = layer.k.shape[1]
+    kc, vc, ks, vs, strides = _cache_args(layer)
+    t = plan.tile
+    _attn_prefill_kernel[(plan.programs, KVH)](
+        q, kc, vc, ks, vs, block_table, positions, out,
+        T, H // KVH, block_table.shape[0], float(sm_scale) * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides,
+        HEAD_D=D,
+        PAGE=layer.page_size,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        INT8=layer.int8,
+        DOT_T=dot_dtype(q.dtype),
+        PREC=dot_precision(q.dtype),
+        num_warps=t.warps,
+        num_stages=t.stages,
+    )  # fmt: skip
