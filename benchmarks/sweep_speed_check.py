@@ -2,7 +2,7 @@
 
     python -m benchmarks.sweep_speed_check BENCH_DECODE.parquet RUNS_DIR [--out FILE.md]
 
-Joins every sweep row of RUNS_DIR (tileinfer.jobs.tables.sweep_rows) with the row of
+Joins every sweep row of RUNS_DIR (tileinfer.jobs.rows.read_sweep) with the row of
 ``python -m benchmarks.decode`` for the same model, quant, backend and context in the
 ``graph_greedy`` mode (the decode graph ending in the argmax, the host reading each token: how the
 sweep times its decode steps), and prints the ratio sweep / bench with the sweep's spread over its
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import polars as pl
 
-from tileinfer.jobs import tables
+from tileinfer.jobs.rows import read_sweep
 
 TOLERANCE = 0.05  # issue 12: a sweep row's decode tok/s within 5% of bench.decode's for the same shape
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         .filter(pl.col("mode") == "graph_greedy")
         .select("model", "quant", "backend", pl.col("ctx").alias("ctx_tokens"), pl.col("tok_s").alias("bench_tok_s"))
     )
-    rows, _, _ = tables.sweep_rows(a.runs_dir)
+    rows, _, _ = read_sweep(a.runs_dir)
     sweep = rows.select(
         "model",
         "quant",

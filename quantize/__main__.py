@@ -16,7 +16,6 @@ from quantize.scheme import DEFAULT_CALIBRATION_TOKENS, PRECISIONS, QuantScheme,
 from quantize.smoothing import DEFAULT_ALPHA
 from tileinfer.core import files
 from tileinfer.core.checkpoint import load_checkpoint
-from tileinfer.core.errors import UserError
 from tileinfer.core.fetch import pull
 
 PROG = "python -m quantize"
@@ -87,22 +86,11 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> None:
-    """Exit 2 with one line for a mistake in the input, 130 on Ctrl-C, as ``tileinfer.cli.exit_on_error``
-    does for the Hydra commands (whose layer is above this package's: not imported here)."""
     args = parse_args(argv)
-    try:
+    from tileinfer.cli import exit_on_error  # the command layer's errors and exit codes (pyproject: ignore_imports)
+
+    with exit_on_error(PROG):
         run(args)
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; finished results are kept, the same command resumes", file=sys.stderr)
-        sys.exit(130)
-    except UserError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:
-        if e.filename is None:
-            raise
-        print(f"{PROG}: error: {e.filename}: {e.strerror}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     python -m tileinfer.report runs/ --out /tmp/rep
 
 Reads the sweep's result rows of RUNS_DIR (``RUNS_DIR/rows/``, not the gate's runs; one per row
-identity, the newest: :func:`tileinfer.summary.sweep_rows`) and writes into the output folder:
+identity, the newest: :func:`tileinfer.jobs.rows.read_sweep`) and writes into the output folder:
 
 - ``summary.parquet`` / ``summary.md``: all rows as one table (:func:`tileinfer.jobs.tables.write_summary`);
 - ``scatter-*.png``: mean KL (log scale) against decode speed, one plot per section;
@@ -49,8 +49,7 @@ from tileinfer.cli import exit_on_error  # noqa: E402
 from tileinfer.core import files  # noqa: E402
 from tileinfer.core.errors import UserError  # noqa: E402
 from tileinfer.jobs import identity, schema, tables  # noqa: E402
-from tileinfer.jobs.rows import positions_path  # noqa: E402
-from tileinfer.summary import sweep_rows  # noqa: E402
+from tileinfer.jobs.rows import positions_path, read_sweep  # noqa: E402
 
 GROUP = ["model", "ctx", "backend"]  # one report section each...
 CONFIG = ["quant", "smooth_keys", "smooth_alpha"]  # ...with one table row each (per scored set)...
@@ -94,14 +93,14 @@ PAIRED = {"smooth_keys": "key smoothing", "backend": "backend"}
 
 
 def load_rows(runs_dir: Path) -> tuple[pl.DataFrame, Path, int]:
-    """The sweep rows of ``runs_dir`` (:func:`tileinfer.summary.sweep_rows`), sorted for display (plain
+    """The sweep rows of ``runs_dir`` (:func:`tileinfer.jobs.rows.read_sweep`), sorted for display (plain
     before speculative rows) and labelled (``config``), the folder read, and how many older rows of
     an identity were left out. Parquet files that are not sweep rows are left out.
 
     Raises:
         UserError: ``runs_dir`` is not a folder or holds no result rows.
     """
-    df, folder, older = sweep_rows(runs_dir)
+    df, folder, older = read_sweep(runs_dir)
     needed = [*GROUP, "quant", "prompt_set", "kl_mean"]
     if set(needed) <= set(df.columns):
         df = df.filter(pl.all_horizontal(pl.col(needed).is_not_null()))

@@ -100,16 +100,6 @@ def test_a_fallback_runs_the_reference_and_is_recorded_and_logged_once_per_entry
     assert backend.fallbacks() == [] and other.fallbacks() != []
 
 
-def test_the_transitional_module_record_answers_for_the_live_backends():
-    """tileinfer.ops.fallbacks()/reset_fallbacks() (kept for tileinfer/jobs/job.py until it reads
-    the runner's Backend) see the entries of every live Backend."""
-    backend = Backend("cutile", _refusing(argmax="logits rows not contiguous"), R)
-    backend.argmax(torch.randn(2, 5))
-    assert "cutile.argmax: logits rows not contiguous" in ops_pkg.fallbacks()
-    ops_pkg.reset_fallbacks()
-    assert backend.fallbacks() == []
-
-
 # ---------------------------------------------------------------------------- each fallback site
 
 

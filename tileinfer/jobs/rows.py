@@ -135,3 +135,22 @@ def newest(df: pl.DataFrame) -> pl.DataFrame:
     if "finished_at" in df.columns:
         df = df.sort("finished_at", nulls_last=False)
     return df.unique(subset=key, keep="last", maintain_order=True)
+
+
+def read_sweep(runs_dir: Path) -> tuple[pl.DataFrame, Path, int]:
+    """The sweep rows of a runs folder (``runs_dir/rows``, or ``runs_dir`` itself when it is such a
+    ``rows`` folder), one per identity (:func:`newest`), the folder read and how
+    many older rows of an identity were left out.
+
+    Raises:
+        UserError: not a folder, or no rows in it.
+    """
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        raise UserError(f"{runs_dir} is not a folder")
+    folder = runs_dir if runs_dir.name == "rows" and not (runs_dir / "rows").is_dir() else runs_dir / "rows"
+    df = read(folder) if folder.is_dir() else None
+    if df is None or df.is_empty():
+        raise UserError(f"no result rows under {folder} (run python -m tileinfer.sweep first)")
+    kept = newest(df)
+    return kept, folder, len(df) - len(kept)

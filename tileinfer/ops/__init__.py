@@ -34,9 +34,7 @@ from tileinfer.ops.backend import (
     OPS,
     Backend,
     Unsupported,
-    fallbacks,
     get_backend,
-    reset_fallbacks,
 )
 from tileinfer.ops.workspace import Workspace
 
@@ -48,9 +46,7 @@ __all__ = [
     "Int8Weight",
     "Unsupported",
     "Workspace",
-    "fallbacks",
     "get_backend",
-    "reset_fallbacks",
     "sm_count",
 ]
 

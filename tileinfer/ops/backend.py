@@ -8,7 +8,6 @@ import functools
 import importlib
 import inspect
 import logging
-import weakref
 from types import ModuleType
 
 from tileinfer.core.errors import UserError
@@ -82,7 +81,6 @@ class Backend:
         self._fallbacks: set[str] = set()
         for op in OPS:
             setattr(self, op, self._dispatch(op))
-        _LIVE.add(self)
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r})"
@@ -160,20 +158,3 @@ def get_backend(name: str, tuning=None) -> Backend:
     except ImportError as e:
         raise UserError(f"backend {name!r} is not available here: {e}") from None
     return Backend(name, module, importlib.import_module("tileinfer.ops.reference"), tuning)
-
-
-# Transitional, until tileinfer/jobs/job.py reads ``runner.ops.fallbacks()``: the module-level
-# functions below answer for every live Backend, as the process-global record they replace did.
-# Delete them, and _LIVE, once no caller is left.
-_LIVE: weakref.WeakSet[Backend] = weakref.WeakSet()
-
-
-def fallbacks() -> list[str]:
-    """Transitional: the fallbacks of every live :class:`Backend`, sorted (use ``Backend.fallbacks``)."""
-    return sorted({e for b in list(_LIVE) for e in b.fallbacks()})
-
-
-def reset_fallbacks() -> None:
-    """Transitional: reset every live :class:`Backend`'s record (use ``Backend.reset_fallbacks``)."""
-    for b in list(_LIVE):
-        b.reset_fallbacks()
