@@ -143,25 +143,10 @@ def parse(prog: str, argv: list[str], config_name: str, aliases: dict[str, str] 
     inv = Invocation(prog, args.config_name or config_name, args)
     if inv.informational:
         return inv
-    parsed = OverridesParser.create().parse_overrides(args.overrides)
+    parsed, hydra = OverridesParser.create().parse_overrides(args.overrides), _hydra(args.config_dir)
     for o in parsed:
-        key = o.get_key_element().lstrip("+~")
-        group = key.split(".", 1)[0]
-        if group in RENAMED_GROUPS:
-            new = o.input_line.replace(group, RENAMED_GROUPS[group], 1)
-            raise UserError(f"{group}.* is now {RENAMED_GROUPS[group]}.*: write {new}")
-        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
-        for value in values if key == "model" else ():
-            if "/" in value or value.endswith(".gguf") or Path(value).expanduser().exists():
-                raise UserError(f"model={value}: a local checkpoint is given as model.path={value}")
+        _check_override(o, hydra.config_loader.get_group_options(o.get_key_element()))
     jobs = BasicSweeper.split_arguments(parsed, None)[0] if args.multirun else [list(args.overrides)]
-    hydra = _hydra(args.config_dir)
-    for o in parsed:  # a group given a number (ctx=0), which Hydra answers without the options
-        key, options = o.get_key_element(), hydra.config_loader.get_group_options(o.get_key_element())
-        values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
-        if options and any(not isinstance(v, str) for v in values):
-            setting = f", or a setting such as {key}.tokens=N" if key == "ctx" else ""
-            raise UserError(f"{o.input_line}: {key} takes one of {', '.join(options)}{setting}")
     configs, launcher = [], None
     try:
         for overrides in jobs:
@@ -188,6 +173,24 @@ def parse(prog: str, argv: list[str], config_name: str, aliases: dict[str, str] 
     swept = tuple(f"{o.get_key_element()}=" for o in parsed if o.is_sweep_override())  # as split_arguments writes
     labels = tuple(" ".join(o for o in job if o.startswith(swept)) or "(defaults)" for job in jobs)
     return Invocation(prog, inv.config_name, args, tuple(map(tuple, jobs)), tuple(configs), workers, labels)
+
+
+def _check_override(o, options: list[str]) -> None:
+    """The one-line hints Hydra's errors lack: a renamed setting, a checkpoint path given as
+    ``model=PATH``, a config group (whose ``options`` are given) set to a number (``ctx=0``)."""
+    key = o.get_key_element().lstrip("+~")
+    group = key.split(".", 1)[0]
+    if group in RENAMED_GROUPS:
+        raise UserError(
+            f"{group}.* is now {RENAMED_GROUPS[group]}.*: write {o.input_line.replace(group, RENAMED_GROUPS[group], 1)}"
+        )
+    values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
+    if options and any(not isinstance(v, str) for v in values):
+        setting = f", or a setting such as {key}.tokens=N" if key == "ctx" else ""
+        raise UserError(f"{o.input_line}: {key} takes one of {', '.join(options)}{setting}")
+    for v in map(str, values if key == "model" else ()):
+        if "/" in v or v.endswith(".gguf") or Path(v).expanduser().exists():
+            raise UserError(f"model={v}: a local checkpoint is given as model.path={v}")
 
 
 def _launcher_hint(parsed) -> str | None:
