@@ -25,6 +25,7 @@ from tileinfer.engine.runner import ModelRunner
 from tileinfer.jobs.schema import NAMED, Config, ModelGroup
 from tileinfer.models import Transformer
 from tileinfer.models.loading import Loaded, load_model
+from tileinfer.ops import Backend, get_backend
 
 
 def draft_group(name: str) -> ModelGroup:
@@ -48,6 +49,9 @@ class Worker:
         self.keep = keep
         self._models: OrderedDict = OrderedDict()
         self._quantized: OrderedDict = OrderedDict()
+        # one Backend per name for every runner: its workspace (a float32 lm_head copy on the CPU) is
+        # shared by the base and the candidate runners, and freed with the weights it copied
+        self._backends: dict[str, Backend] = {}
 
     def _cached(self, cache: OrderedDict, key, make):
         if key in cache:
@@ -83,9 +87,11 @@ class Worker:
 
     def runner(self, cfg: Config, loaded: Loaded, backend: str, scheme: QuantScheme, max_len: int) -> ModelRunner:
         """A runner of ``loaded`` under ``scheme`` on ``backend`` for sequences of up to ``max_len``."""
+        if backend not in self._backends:
+            self._backends[backend] = get_backend(backend)
         return ModelRunner(
             self.model(loaded, scheme),
-            backend=backend,
+            backend=self._backends[backend],
             kv_int8=scheme.kv_cache == "int8",
             max_seq_len=max_len,
             page_size=cfg.kv.page_size,
